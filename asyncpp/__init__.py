@@ -1,0 +1,64 @@
+"""asyncpp: async intervention blocks that read and edit a model's internals while it runs.
+
+    async def steer(m, vec):
+        out = await m.model.layers[1].output
+        out[:, -1] += vec
+        return (await m.logits)[:, -1].argmax(-1)
+
+    async with asyncpp.trace(model) as t:
+        h = t.invoke(prompt_ids, steer, vec)
+    h.result
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engines.base import Engine
+from .engines.local import LocalEngine
+from .kernel.errors import (
+    AsyncppError,
+    ForeignAwaitError,
+    InternalError,
+    MissingAwaitError,
+    NeverReachedError,
+    OrderError,
+    PathError,
+    WriteError,
+)
+from .kernel.slot import Slot
+from .kernel.traps import Gather
+from .locations.location import Location
+from .trace.api import Invoke, Trace, generate, trace
+
+__version__ = "0.1.0"
+
+
+def gather(*awaitables: Any) -> Gather:
+    """Wait on several locations (and slots) at once, in any order; returns their values as a list.
+
+    ``a, b = await asyncpp.gather(m.model.layers[3].output, m.model.layers[1].output)``. The block
+    resumes when the last one arrives, so in-place edits only land in the last-served value.
+    """
+    return Gather(awaitables)
+
+
+__all__ = [
+    "AsyncppError",
+    "Engine",
+    "ForeignAwaitError",
+    "InternalError",
+    "Invoke",
+    "LocalEngine",
+    "Location",
+    "MissingAwaitError",
+    "NeverReachedError",
+    "OrderError",
+    "PathError",
+    "Slot",
+    "Trace",
+    "WriteError",
+    "gather",
+    "generate",
+    "trace",
+]

@@ -1,0 +1,1 @@
+"""Engines run models with blocks attached: local torch models, vLLM (loaded lazily)."""

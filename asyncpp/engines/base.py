@@ -1,0 +1,65 @@
+"""The engine contract: what a trace needs from the thing that runs the model."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..locations.tree import Root
+
+
+@dataclass
+class InvokeSpec:
+    """One invoke: its input (None for the whole batch), its block and the block's arguments."""
+
+    input: Any
+    block: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    name: str = "block"
+
+
+@dataclass
+class RunSpec:
+    """Everything one run needs: the invokes, and how to drive the model."""
+
+    invokes: list[InvokeSpec]
+    generate: bool = False
+    max_new_tokens: int | None = None
+    grad: bool = False
+    model_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class InvokeOutcome:
+    """What one invoke produced: its block's result or error, and its rows of the model output."""
+
+    result: Any = None
+    error: BaseException | None = None
+    output: Any = None
+    tokens: Any = None
+
+
+@dataclass
+class RunOutcome:
+    invokes: list[InvokeOutcome]
+    output: Any = None
+    error: BaseException | None = None  # the model's own failure (not a block's)
+
+
+class Engine(ABC):
+    """Runs a model with intervention blocks attached. Subclasses: local torch models, vLLM."""
+
+    tree: Root
+
+    @abstractmethod
+    def run(self, spec: RunSpec) -> RunOutcome:
+        """Run synchronously (blocks the calling thread until the run is done)."""
+
+    @abstractmethod
+    async def run_async(self, spec: RunSpec) -> RunOutcome:
+        """Run off the caller's event loop and await the outcome."""
+
+    def close(self) -> None:
+        """Release the engine's threads and processes."""

@@ -1,0 +1,3 @@
+from .engine import LocalEngine
+
+__all__ = ["LocalEngine"]

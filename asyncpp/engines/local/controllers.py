@@ -1,0 +1,59 @@
+"""Per-module controllers: the hot path of a local run.
+
+During a run every module's ``forward`` is shadowed by a controller (an instance attribute, so the
+module's own ``__call__`` wrappers still run). A call of a module nobody waits on costs one set
+lookup before and after the call and a counter bump; a call some block waits on goes to the interleaver's ``visit``. Between
+runs the controllers are removed: the model carries no asyncpp state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+
+class RunSlot:
+    """Holds the interleaver of the run in progress, read by every controller."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self):
+        self.kernel: Any = None
+
+
+def make_controller(slot: RunSlot, index: int, forward: Callable) -> Callable:
+    def controller(*args, **kwargs):
+        kernel = slot.kernel
+        if index in kernel.hot:
+            return kernel.visit(index, forward, args, kwargs)
+        out = forward(*args, **kwargs)
+        if index in kernel.hot:  # a block started waiting on this call's output while it ran
+            return kernel.visit_output(index, out)
+        kernel.counts[index] += 1
+        return out
+
+    controller.__wrapped__ = forward  # type: ignore[attr-defined]
+    return controller
+
+
+class Controllers:
+    """The controllers of one model, installed for a run and removed after it."""
+
+    def __init__(self, modules: list[nn.Module], slot: RunSlot):
+        self._entries = []
+        for index, module in enumerate(modules):
+            own = module.__dict__.get("forward")  # an instance-level forward someone else set
+            ctrl = make_controller(slot, index, module.forward)
+            self._entries.append((module.__dict__, ctrl, own))
+
+    def install(self) -> None:
+        for d, ctrl, _ in self._entries:
+            d["forward"] = ctrl
+
+    def remove(self) -> None:
+        for d, _, own in self._entries:
+            if own is None:
+                d.pop("forward", None)
+            else:
+                d["forward"] = own

@@ -1,0 +1,166 @@
+"""The local engine: any ``torch.nn.Module`` (Hugging Face causal LMs included) run in-process.
+
+A run is: batch the invokes' inputs, install the controllers, start every block (invoke order), run
+the forward (or ``generate``), finish the interleaver, remove the controllers. Sync runs execute on
+the calling thread; async runs on the engine's long-lived model thread. One run at a time per model.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...kernel.batching import narrow
+from ...kernel.interleaver import Interleaver
+from ...locations.tree import build_tree
+from ...trace.bridge import ModelThread, run_on_thread
+from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
+from .controllers import Controllers, RunSlot
+from .inputs import InputError, lm_batch, tensor_batch, token_rows
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    return hasattr(model, "generate") and hasattr(model, "config")
+
+
+class LocalEngine(Engine):
+    """Runs intervention blocks on a local PyTorch model.
+
+    :param model: any module; a Hugging Face causal LM also gets ``m.logits`` (its ``lm_head``
+        output), string prompts (with ``tokenizer``), padding and ``generate``.
+    :param tokenizer: turns string prompts into token ids (optional).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.is_lm = _is_causal_lm(model)
+        aliases = {}
+        if self.is_lm and isinstance(getattr(model, "lm_head", None), nn.Module):
+            aliases["logits"] = "lm_head"
+        self.tree, self.modules, self.paths = build_tree(model, aliases)
+        self._slot = RunSlot()
+        self._controllers = Controllers(self.modules, self._slot)
+        self._lock = threading.Lock()
+        self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
+        self.switch = None  # the thread-local-state swap (set by the TLS layer)
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> LocalEngine:
+        """The shared engine of ``model`` (created on first use)."""
+        engine = _engines.get(model)
+        if engine is None:
+            engine = cls(model)
+            _engines[model] = engine
+        return engine
+
+    # ----------------------------------------------------------------------------------------
+
+    def run(self, spec: RunSpec) -> RunOutcome:
+        return self._execute(spec)
+
+    async def run_async(self, spec: RunSpec) -> RunOutcome:
+        return await run_on_thread(self._thread, lambda: self._execute(spec))
+
+    def close(self) -> None:
+        self._thread.stop()
+
+    # ----------------------------------------------------------------------------------------
+
+    def _execute(self, spec: RunSpec) -> RunOutcome:
+        call, rows, batch_size, prompt_len = self._prepare(spec)
+        kernel = Interleaver(
+            self.paths,
+            batch_size,
+            step_index=0 if spec.generate else None,
+            switch=self.switch,
+        )
+        outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
+        with self._lock:
+            self._slot.kernel = kernel
+            self._controllers.install()
+            try:
+                with kernel.active(), torch.set_grad_enabled(spec.grad):
+                    for order, inv in enumerate(spec.invokes):
+                        kernel.start(inv.block(self.tree, *inv.args, **inv.kwargs), order, rows[order], inv.name)
+                    kernel.serve()
+                    try:
+                        out = call()
+                    except BaseException as err:
+                        outcome.error = err
+                        out = None
+                    if outcome.error is None:
+                        kernel.finish()
+                    else:
+                        kernel.close_all()
+            finally:
+                self._controllers.remove()
+                self._slot.kernel = None
+        outcome.output = out
+        for order, block in enumerate(kernel.blocks):
+            o = outcome.invokes[order]
+            o.result, o.error = block.result, block.error
+            if out is not None:
+                if spec.generate:
+                    r = rows[order]
+                    seq = out if r is None else out[r[0] : r[1]]
+                    o.tokens = seq[:, prompt_len:].clone()
+                else:
+                    o.output = narrow(out, rows[order], batch_size)
+        return outcome
+
+    def _prepare(self, spec: RunSpec):
+        """Build the batched call and each invoke's rows."""
+        invokes = spec.invokes
+        given = [i for i, inv in enumerate(invokes) if inv.input is not None]
+        if not given:
+            raise InputError("the trace has no input: give at least one invoke an input")
+        where = [f"invoke #{i} ({invokes[i].name})" for i in given]
+        rows: list[tuple[int, int] | None] = [None] * len(invokes)
+        model = self.model
+        prompt_len = 0
+        if self.is_lm:
+            per = [token_rows(invokes[i].input, self.tokenizer, w) for i, w in zip(given, where)]
+            sizes = [len(p) for p in per]
+            pad = getattr(model.config, "pad_token_id", None)
+            if pad is None:
+                pad = getattr(model.config, "eos_token_id", None) or 0
+                if isinstance(pad, list):
+                    pad = pad[0]
+            inputs = lm_batch([r for p in per for r in p], pad)
+            prompt_len = inputs["input_ids"].shape[1]
+            kwargs = {**inputs, **spec.model_kwargs}
+            if spec.generate:
+                gen = {"max_new_tokens": spec.max_new_tokens or 1, "do_sample": False, "pad_token_id": pad}
+                gen.update(spec.model_kwargs)
+
+                def call():
+                    return model.generate(**inputs, **gen)
+            else:
+
+                def call():
+                    return model(**kwargs)
+        else:
+            if spec.generate:
+                raise InputError(f"{type(model).__name__} has no generate(): use asyncpp.trace, not generate")
+            args, sizes = tensor_batch([invokes[i].input for i in given], where)
+            mk = spec.model_kwargs
+
+            def call():
+                return model(*args, **mk)
+
+        batch_size = sum(sizes)
+        if len(given) == 1 and len(invokes) == 1:
+            return call, [None], batch_size, prompt_len
+        start = 0
+        for i, n in zip(given, sizes):
+            rows[i] = (start, start + n)
+            start += n
+        return call, rows, batch_size, prompt_len
+
+
+_engines: "weakref.WeakKeyDictionary[nn.Module, LocalEngine]" = weakref.WeakKeyDictionary()

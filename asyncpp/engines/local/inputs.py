@@ -1,0 +1,80 @@
+"""Turning invoke inputs into one batch, and the batch's output back into per-invoke pieces.
+
+Causal language models (Hugging Face style: a ``config`` and ``generate``) take prompts as strings
+(with a tokenizer), lists of token ids, or 1-D/2-D id tensors; prompts of different lengths are
+left-padded with an attention mask, so position -1 is every row's last token. Any other module
+takes a tensor (or a tuple of positional tensors) per invoke, concatenated along dimension 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...kernel.errors import AsyncppError
+
+
+class InputError(AsyncppError, ValueError):
+    """An invoke's input cannot be batched."""
+
+
+def token_rows(value: Any, tokenizer: Any, where: str) -> list[list[int]]:
+    """One invoke's prompt(s) as lists of token ids."""
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise InputError(
+                f"{where}: a string prompt needs a tokenizer: build the engine with "
+                f"asyncpp.LocalEngine(model, tokenizer), or pass token ids"
+            )
+        return [list(tokenizer(value, add_special_tokens=False)["input_ids"])]
+    if isinstance(value, Tensor):
+        if value.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"{where}: token ids must be an integer tensor, got {value.dtype}")
+        if value.dim() == 1:
+            return [value.tolist()]
+        if value.dim() == 2:
+            return value.tolist()
+        raise InputError(f"{where}: token ids must be 1-D or 2-D, got shape {tuple(value.shape)}")
+    if isinstance(value, (list, tuple)) and value:
+        if all(isinstance(v, int) for v in value):
+            return [list(value)]
+        if all(isinstance(v, str) for v in value):
+            return [r for v in value for r in token_rows(v, tokenizer, where)]
+        if all(isinstance(v, (list, tuple)) for v in value):
+            return [list(v) for v in value]
+    raise InputError(
+        f"{where}: cannot use {type(value).__name__} as a prompt; pass a string, a list of token ids "
+        f"or a tensor of token ids"
+    )
+
+
+def lm_batch(rows: list[list[int]], pad_id: int) -> dict[str, Tensor]:
+    """Left-padded ``input_ids`` and ``attention_mask`` for prompts of any lengths."""
+    if any(len(r) == 0 for r in rows):
+        raise InputError("an empty prompt cannot be run")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def tensor_batch(values: list[Any], where: list[str]) -> tuple[tuple, list[int]]:
+    """Concatenate per-invoke positional tensors along dim 0; return args and each invoke's rows."""
+    parts = [v if isinstance(v, tuple) else (v,) for v in values]
+    arity = len(parts[0])
+    for p, w in zip(parts, where):
+        if len(p) != arity or not all(isinstance(x, Tensor) and x.dim() > 0 for x in p):
+            raise InputError(f"{w}: every invoke must pass the same number of tensors (with a batch dimension)")
+    sizes = [p[0].shape[0] for p in parts]
+    if len(parts) == 1:
+        return parts[0], sizes
+    try:
+        args = tuple(torch.cat([p[i] for p in parts]) for i in range(arity))
+    except RuntimeError as err:
+        raise InputError(f"invoke inputs cannot be batched along dimension 0: {err}") from None
+    return args, sizes

@@ -1,0 +1,1 @@
+"""The kernel: the interleaver that steps intervention coroutines, and its trap protocol."""

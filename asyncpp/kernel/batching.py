@@ -1,0 +1,147 @@
+"""Row narrowing on read and widening on write.
+
+A block that owns rows ``[a, b)`` of the batch sees every tensor whose first dimension is the batch
+size as the view ``t[a:b]`` (so in-place edits land in the model), inside tuples, lists, named tuples
+and dicts alike. Tensors of any other leading size are shared by the whole batch and are passed as
+they are. A block with ``rows=None`` sees the whole batch, untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from .errors import MissingAwaitError, WriteError
+
+def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:
+    """Return ``value`` restricted to ``rows`` (views, no copies)."""
+    if rows is None:
+        return value
+    if isinstance(value, Tensor):
+        if value.dim() and value.shape[0] == batch:
+            return value[rows[0] : rows[1]]
+        return value
+    if isinstance(value, (tuple, list, dict)):
+        return _map(value, lambda x: narrow(x, rows, batch))
+    return value
+
+
+def widen(full: Any, new: Any, rows: tuple[int, int] | None, batch: int, where: str) -> Any:
+    """Return ``full`` with the rows ``rows`` replaced by ``new`` (out of place)."""
+    if rows is None or new is full:
+        return new
+    if isinstance(full, Tensor) and full.dim() and full.shape[0] == batch:
+        a, b = rows
+        part = full[a:b]
+        if (
+            isinstance(new, Tensor)
+            and new.data_ptr() == part.data_ptr()
+            and new.shape == part.shape
+            and new.stride() == part.stride()
+        ):
+            return full  # the block's own view, already edited in place
+        if not isinstance(new, Tensor) or new.shape != part.shape:
+            shape = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+            raise WriteError(
+                f"{where}: the replacement has shape {shape}, but this invoke's rows {a}:{b} of the "
+                f"value have shape {tuple(part.shape)}"
+            )
+        out = full.clone()
+        out[a:b] = new
+        return out
+    if isinstance(full, (tuple, list)) and isinstance(new, (tuple, list)):
+        if len(full) != len(new):
+            raise WriteError(f"{where}: the replacement has {len(new)} elements, the value has {len(full)}")
+        items = [widen(f, n, rows, batch, f"{where}[{i}]") for i, (f, n) in enumerate(zip(full, new))]
+        return _rebuild(full, items)
+    if isinstance(full, dict) and isinstance(new, dict):
+        if full.keys() != new.keys():
+            raise WriteError(f"{where}: the replacement's keys {list(new)} differ from {list(full)}")
+        return _rebuild(full, {k: widen(full[k], new[k], rows, batch, f"{where}[{k!r}]") for k in full})
+    if new is not full and not _same_leaf(full, new):
+        raise WriteError(
+            f"{where}: this value is shared by the whole batch; an invoke that owns only rows "
+            f"{rows[0]}:{rows[1]} cannot replace it (invoke without input to see the whole batch)"
+        )
+    return full
+
+
+def get_item(value: Any, keys: tuple) -> Any:
+    """Index ``value`` by each key in turn (the element path of a sub-location)."""
+    for k in keys:
+        value = value[k]
+    return value
+
+
+def put_at(full: Any, keys: tuple, new: Any, rows: tuple[int, int] | None, batch: int, where: str) -> Any:
+    """Return ``full`` with the element at ``keys`` replaced by ``new`` for the given rows.
+
+    Keys that index containers (a tuple output's element) rebuild the container; once a tensor is
+    reached, the remaining keys index the block's own rows of it and the assignment is in place.
+    """
+    if not keys:
+        return widen(full, new, rows, batch, where)
+    if isinstance(full, Tensor):
+        view = get_item(narrow(full, rows, batch), keys[:-1])
+        view[keys[-1]] = new
+        return full
+    k = keys[0]
+    child = put_at(full[k], keys[1:], new, rows, batch, where)
+    if isinstance(full, dict):
+        items = dict(full)
+        items[k] = child
+        return _rebuild(full, items)
+    items = list(full)
+    items[k] = child
+    return _rebuild(full, items)
+
+
+def detach(value: Any) -> Any:
+    """Copy a block's result out of the model's buffers: tensors are detached and cloned."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list, dict)):
+        return _map(value, detach)
+    if getattr(value, "TRAP", None) is not None and hasattr(value, "describe"):
+        raise MissingAwaitError(
+            f"the block returned the location object {value.describe()} instead of its value: "
+            f"add `await` in front of it"
+        )
+    return value
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _map(value: Any, fn) -> Any:
+    if isinstance(value, dict):
+        return _rebuild(value, {k: fn(v) for k, v in value.items()})
+    return _rebuild(value, [fn(v) for v in value])
+
+
+def _rebuild(like: Any, items: Any) -> Any:
+    """Build a container of ``like``'s type from ``items`` (a list, or a dict for mappings)."""
+    t = type(like)
+    if isinstance(like, dict):
+        if t is dict:
+            return items
+        try:
+            return t(**items)  # dataclass-style mappings (Hugging Face ModelOutput)
+        except TypeError:
+            try:
+                return t(items)
+            except TypeError:
+                return dict(items)
+    if t is tuple or t is list:
+        return t(items)
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return t(*items)
+    try:
+        return t(items)
+    except TypeError:
+        return type(items)(items)

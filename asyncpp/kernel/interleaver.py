@@ -1,0 +1,751 @@
+"""The interleaver: drives intervention blocks from inside a model's forward pass.
+
+One :class:`Interleaver` serves one run (one forward, or one generate loop) of one batch. Blocks are
+plain coroutines stepped with ``send``/``throw``; what they yield are traps (see :mod:`.traps`).
+
+Where things happen, for a newcomer:
+
+* a block is **started** by :meth:`Interleaver.start` (before the forward, or when a request first
+  appears), runs until its first trap, and parks;
+* it is **stepped** by :meth:`Interleaver.visit`, which the engine's per-module controller calls when
+  the model reaches a module some block waits on (a set lookup decides that), and by
+  :meth:`Interleaver.serve` at serve points outside the forward;
+* it is **finished** by :meth:`Interleaver.finish` at the end of the run: step loops end, waits that
+  were never reached are thrown into their blocks at the waiting line, survivors are closed.
+
+Seams for engines: ``intercept`` (decide, before a block parks, whether a location is served
+locally), ``publish`` (see every served value before it goes back to the model) and ``switch`` (the
+thread-local-state swap at every switch into and out of a block).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable
+
+from . import batching, traps
+from .errors import ForeignAwaitError, InternalError, NeverReachedError, OrderError, WriteError
+from .traps import GATHER, INPUT, INPUTS, KIND_NAMES, OUTPUT, READ, SKIP, SLOT, STEP, WRITE, Read
+
+PARKED = object()  # a handler parked the block
+MISS = object()  # an intercept declined to serve a location
+END = object()  # sent to a step gate when generation has ended
+_NOTHING = object()
+_active = threading.local()  # the interleaver running blocks on this thread
+
+
+def active_interleaver() -> "Interleaver | None":
+    """The interleaver whose run is executing on this thread, if any."""
+    return getattr(_active, "kernel", None)
+
+
+class _Throw:
+    """A handler's answer that is an exception to throw into the block at its ``await``."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Block:
+    """One intervention coroutine and its place in the batch."""
+
+    __slots__ = (
+        "coro",
+        "order",
+        "rows",
+        "step",
+        "name",
+        "done",
+        "result",
+        "error",
+        "waiting",
+        "records",
+        "writes",
+        "state",
+    )
+
+    def __init__(self, coro, order: int, rows: tuple[int, int] | None, name: str = "block"):
+        self.coro = coro
+        self.order = order  # invoke order: blocks at one location resume in this order
+        self.rows = rows  # (start, stop) of its batch rows, None for the whole batch
+        self.step = 0  # the generation step its un-pinned awaits refer to
+        self.name = name
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.waiting: Any = None  # the trap it is parked on (for errors and introspection)
+        self.records: list = []  # its entries in wait lists, removed when it is resumed
+        self.writes: list = []  # Write traps it created and has not awaited yet
+        self.state: Any = None  # torch thread-local state owned by the switch hook
+
+    def where(self) -> str:
+        """File and line where the block is suspended."""
+        frame = getattr(self.coro, "cr_frame", None)
+        if frame is None:
+            return "<finished>"
+        return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class _Wait:
+    """One parked wait on a module location (a read, a write, or one item of a gather)."""
+
+    __slots__ = ("block", "trap", "step", "occ", "gather", "slot")
+
+    def __init__(self, block: Block, trap, step: int, occ: int, gather=None, slot: int = 0):
+        self.block = block
+        self.trap = trap
+        self.step = step
+        self.occ = occ
+        self.gather = gather
+        self.slot = slot
+
+
+class _GatherState:
+    __slots__ = ("block", "values", "remaining")
+
+    def __init__(self, block: Block, n: int):
+        self.block = block
+        self.values = [None] * n
+        self.remaining = n
+
+
+class _Visit:
+    """The module visit being served: its current (possibly replaced) values."""
+
+    __slots__ = ("index", "n", "stage", "args", "kwargs", "out", "skip")
+
+    def __init__(self, index: int, n: int, stage: int, args=(), kwargs=None, out=None):
+        self.index = index
+        self.n = n
+        self.stage = stage  # INPUT for the input stage (input, inputs, skip), OUTPUT after the call
+        self.args = args
+        self.kwargs = kwargs
+        self.out = out
+        self.skip = _NOTHING
+
+    def get(self, kind: int) -> Any:
+        if kind == OUTPUT:
+            return self.out
+        if kind == INPUT:
+            if self.args:
+                return self.args[0]
+            if self.kwargs:
+                return next(iter(self.kwargs.values()))
+            return None
+        if kind == INPUTS:
+            return (self.args, self.kwargs)
+        return None if self.skip is _NOTHING else self.skip
+
+    def set(self, kind: int, value: Any, where: str) -> None:
+        if kind == OUTPUT:
+            self.out = value
+        elif kind == INPUT:
+            if self.args:
+                self.args = (value, *self.args[1:])
+            elif self.kwargs:
+                key = next(iter(self.kwargs))
+                self.kwargs = {**self.kwargs, key: value}
+            else:
+                raise WriteError(f"{where}: this call has no input to replace")
+        elif kind == INPUTS:
+            if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+                raise WriteError(f"{where}: inputs must be replaced by a tuple (args, kwargs)")
+            self.args, self.kwargs = tuple(value[0]), dict(value[1])
+        else:
+            self.skip = value
+
+
+def _stage(kind: int) -> int:
+    return OUTPUT if kind == OUTPUT else INPUT
+
+
+class Interleaver:
+    """The scheduler of one run. See the module docstring for the life of a block."""
+
+    def __init__(
+        self,
+        names: list[str],
+        batch_size: int,
+        *,
+        step_index: int | None = None,
+        switch: Any = None,
+    ):
+        n = len(names)
+        self.names = names  # module path per module index
+        self.batch_size = batch_size
+        self.counts = [0] * n  # completed visits per module in the current step
+        self.seen_in = [-1] * n  # visit number whose input stage was served, per hot module
+        self.waits: dict[int, list[_Wait]] = {}  # key index*4+kind -> parked waits, invoke order
+        self.hot: set[int] = set()  # modules some block waits on: the controllers' one lookup
+        self._hot_refs = [0] * n
+        self.ready: deque = deque()  # (block, value, is_error) woken outside a visit's own loop
+        self.blocks: list[Block] = []
+        self.current: Block | None = None  # the block being resumed
+        self.serving: _Visit | None = None
+        self.step = 0  # current generation step
+        self.steps_begun = 0
+        self.step_index = step_index  # module whose visits begin steps (the root), or None
+        self._gates: list[tuple[Block, Any, int]] = []  # (block, gate, target step)
+        self.position = "the start of the run"  # where the model is, for order errors
+        self.intercept: Callable | None = None  # (block, read, step, occ) -> value | MISS
+        self.publish: Callable | None = None  # (index, kind, n, value) -> None
+        self.switch = switch  # thread-local-state swap: .enter(block) / .leave(block)
+        self.finished = False
+        if step_index is not None:
+            self._ref(step_index)  # the root's visits begin steps, so it is always watched
+
+    @contextmanager
+    def active(self):
+        """Mark this interleaver as the one running blocks on the calling thread."""
+        prev = getattr(_active, "kernel", None)
+        _active.kernel = self
+        try:
+            yield self
+        finally:
+            _active.kernel = prev
+
+    # ----------------------------------------------------------------------------------------
+    # starting and stepping blocks
+
+    def start(self, coro, order: int, rows: tuple[int, int] | None = None, name: str = "block") -> Block:
+        """Register a block coroutine and run it until its first wait."""
+        block = Block(coro, order, rows, name)
+        block.step = self.step
+        self.blocks.append(block)
+        if self.switch is not None:
+            self.switch.adopt(block)
+        self._resume(block, None, None)
+        return block
+
+    def _resume(self, block: Block, value: Any, exc: BaseException | None) -> None:
+        """Step ``block`` until it parks or ends. The one place a block's code runs."""
+        prev = self.current
+        self.current = block
+        block.waiting = None
+        switch = self.switch
+        if switch is not None:
+            switch.enter(block)
+        coro = block.coro
+        try:
+            while True:
+                try:
+                    msg = coro.send(value) if exc is None else coro.throw(exc)
+                except StopIteration as stop:
+                    self._complete(block, stop.value)
+                    return
+                except Exception as err:  # the block's own error: it fails alone
+                    self._fail(block, err)
+                    return
+                except BaseException as err:  # KeyboardInterrupt and friends end the run
+                    self._fail(block, err)
+                    raise
+                exc = None
+                trap = getattr(msg, "TRAP", None)
+                if trap == READ:
+                    value = self._on_read(block, msg)
+                elif trap == SLOT:
+                    value = self._on_slot(block, msg)
+                elif trap == WRITE:
+                    value = self._on_write(block, msg)
+                elif trap == STEP:
+                    value = self._on_step(block, msg)
+                elif trap == GATHER:
+                    value = self._on_gather(block, msg)
+                else:
+                    value = _Throw(_foreign(msg))
+                if value is PARKED:
+                    block.waiting = msg
+                    return
+                if type(value) is _Throw:
+                    exc, value = value.exc, None
+        finally:
+            if switch is not None:
+                switch.leave(block)
+            self.current = prev
+
+    def wake(self, block: Block, value: Any, gather: _GatherState | None = None, slot: int = 0) -> None:
+        """Make a parked block runnable (a slot was set). It runs in the current visit's loop, or
+        at the next serve point."""
+        if block.done:
+            return
+        if gather is not None:
+            gather.values[slot] = value
+            gather.remaining -= 1
+            if gather.remaining:
+                return
+            value = gather.values
+        self.ready.append((block, value))
+
+    def serve(self) -> None:
+        """A serve point: resume every block made runnable since the last one."""
+        ready = self.ready
+        while ready:
+            block, value = ready.popleft()
+            if not block.done:
+                self._unpark(block)
+                if type(value) is _Throw:
+                    self._resume(block, None, value.exc)
+                else:
+                    self._resume(block, value, None)
+
+    # ----------------------------------------------------------------------------------------
+    # trap handlers: each returns a value to send back, a _Throw, or PARKED
+
+    def _on_read(self, block: Block, trap: Read, gather: _GatherState | None = None, slot: int = 0):
+        occ = trap.occ or 0
+        step = block.step
+        v = self.serving
+        if v is not None and v.index == trap.index and v.n == occ and step == self.step and v.stage == _stage(trap.kind):
+            return self._read_value(block, v, trap)  # a location of the visit being served
+        if self.intercept is not None:
+            got = self.intercept(block, trap, step, occ)
+            if got is not MISS:
+                return got
+        if self._passed(trap.index, trap.kind, step, occ):
+            return _Throw(self._order_error(trap, step))
+        self._park(block, trap, step, occ, gather, slot)
+        return PARKED
+
+    def _on_write(self, block: Block, write):
+        try:
+            block.writes.remove(write)
+        except ValueError:
+            pass
+        target = write.target
+        occ = target.occ or 0
+        step = block.step
+        v = self.serving
+        if v is not None and v.index == target.index and v.n == occ and step == self.step and v.stage == _stage(target.kind):
+            try:
+                self._apply_write(block, v, write)
+            except Exception as err:
+                return _Throw(err)
+            return None
+        if self.intercept is not None:
+            got = self.intercept(block, write, step, occ)
+            if got is not MISS:
+                return got
+        if self._passed(target.index, target.kind, step, occ):
+            return _Throw(self._order_error(target, step))
+        self._park(block, write, step, occ)
+        return PARKED
+
+    def _on_slot(self, block: Block, slot):
+        if slot.is_set:
+            return slot.value
+        slot._waiters.append((self, block, None, 0))
+        return PARKED
+
+    def _on_step(self, block: Block, gate):
+        target = gate.steps.first_at_or_after(max(gate.after, self.step))
+        if target is None:
+            return END
+        if target == self.step and self.steps_begun > target:
+            block.step = target  # that step is under way: enter it at once
+            return target
+        self._gates.append((block, gate, target))
+        return PARKED
+
+    def _on_gather(self, block: Block, gather):
+        items = gather.items
+        state = _GatherState(block, len(items))
+        for i, item in enumerate(items):
+            trap = getattr(item, "TRAP", None)
+            if trap == READ:
+                got = self._on_read(block, item, state, i)
+                if got is PARKED:
+                    continue
+                if type(got) is _Throw:
+                    self._unpark(block)
+                    return got
+                state.values[i] = got
+            elif trap == SLOT:
+                if item.is_set:
+                    state.values[i] = item.value
+                else:
+                    item._waiters.append((self, block, state, i))
+                    continue
+            else:
+                self._unpark(block)
+                return _Throw(
+                    ForeignAwaitError(
+                        f"asyncpp.gather() takes locations and slots; item {i} is {item!r}"
+                    )
+                )
+            state.remaining -= 1
+        if state.remaining == 0:
+            return state.values
+        return PARKED
+
+    # ----------------------------------------------------------------------------------------
+    # parking
+
+    def _park(self, block: Block, trap, step: int, occ: int, gather=None, slot: int = 0) -> None:
+        target = trap if trap.TRAP == READ else trap.target
+        index = target.index
+        key = index * 4 + target.kind
+        w = _Wait(block, trap, step, occ, gather, slot)
+        lst = self.waits.get(key)
+        if lst is None:
+            self.waits[key] = [w]
+        else:
+            lst.append(w)
+            if len(lst) > 1 and lst[-2].block.order > block.order:
+                lst.sort(key=lambda x: x.block.order)
+        block.records.append((key, w))
+        self._ref(index)
+
+    def _unpark(self, block: Block) -> None:
+        """Remove every wait of ``block`` (all items of a gather, say) from the wait lists."""
+        records = block.records
+        if not records:
+            return
+        waits = self.waits
+        for key, w in records:
+            lst = waits.get(key)
+            if lst is not None:
+                try:
+                    lst.remove(w)
+                except ValueError:
+                    continue
+                if not lst:
+                    del waits[key]
+                self._unref(key >> 2)
+        block.records = []
+
+    def _ref(self, index: int) -> None:
+        r = self._hot_refs[index]
+        self._hot_refs[index] = r + 1
+        if r == 0:
+            self.hot.add(index)
+
+    def _unref(self, index: int) -> None:
+        r = self._hot_refs[index] - 1
+        self._hot_refs[index] = r
+        if r == 0:
+            self.hot.discard(index)
+
+    def _passed(self, index: int, kind: int, step: int, occ: int) -> bool:
+        if step != self.step:
+            return step < self.step
+        count = self.counts[index]
+        if occ < count:
+            return True
+        return occ == count and kind != OUTPUT and self.seen_in[index] == occ
+
+    # ----------------------------------------------------------------------------------------
+    # serving a module visit (called by the engine's controller when ``index in hot``)
+
+    def visit(self, index: int, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run one call of module ``index``, serving its input and output waits."""
+        if index == self.step_index:
+            self._begin_step()
+        n = self.counts[index]
+        self.seen_in[index] = n
+        base = index * 4
+        waits = self.waits
+        if base in waits or base + 1 in waits or base + 3 in waits:
+            v = _Visit(index, n, INPUT, args, kwargs)
+            self._serve_visit(v, (INPUT, INPUTS, SKIP))
+            args, kwargs, skip = v.args, v.kwargs, v.skip
+        else:
+            skip = _NOTHING
+        out = forward(*args, **kwargs) if skip is _NOTHING else skip
+        return self.visit_output(index, out)
+
+    def visit_output(self, index: int, out: Any) -> Any:
+        """Finish a call of module ``index``: serve its output waits, count the call."""
+        n = self.counts[index]
+        self.counts[index] = n + 1
+        if index * 4 + 2 in self.waits:
+            v = _Visit(index, n, OUTPUT, out=out)
+            self._serve_visit(v, (OUTPUT,))
+            return v.out
+        self.position = self.names[index] + ".output"
+        return out
+
+    def _serve_visit(self, v: _Visit, kinds: tuple) -> None:
+        prev, self.serving = self.serving, v
+        base = v.index * 4
+        try:
+            for kind in kinds:
+                lst = self.waits.get(base + kind)
+                if lst:
+                    self.position = self._name(v.index, kind)
+                    self._serve_waits(v, kind, base + kind, lst)
+            self.serve()
+        finally:
+            self.serving = prev
+        if self.publish is not None:
+            for kind in kinds:
+                self.publish(v.index, kind, v.n, v.get(kind))
+
+    def _serve_waits(self, v: _Visit, kind: int, key: int, lst: list[_Wait]) -> None:
+        step, n = self.step, v.n
+        due = [w for w in lst if w.occ == n and w.step == step]
+        if not due:
+            return
+        for w in due:
+            if w.gather is None:
+                self._unpark(w.block)
+        for w in due:
+            block = w.block
+            if block.done:
+                continue
+            trap = w.trap
+            if w.gather is not None:
+                self._drop(key, w)
+                block.records = [r for r in block.records if r[1] is not w]
+                self.wake(block, self._read_value(block, v, trap), w.gather, w.slot)
+                continue
+            if trap.TRAP == WRITE:
+                try:
+                    self._apply_write(block, v, trap)
+                except Exception as err:
+                    self._resume(block, None, err)
+                    continue
+                self._resume(block, None, None)
+            else:
+                try:
+                    value = self._read_value(block, v, trap)
+                except Exception as err:
+                    self._resume(block, None, err)
+                    continue
+                self._resume(block, value, None)
+
+    def _drop(self, key: int, w: _Wait) -> None:
+        lst = self.waits.get(key)
+        if lst is not None and w in lst:
+            lst.remove(w)
+            if not lst:
+                del self.waits[key]
+            self._unref(key >> 2)
+
+    def _read_value(self, block: Block, v: _Visit, trap: Read) -> Any:
+        value = batching.narrow(v.get(trap.kind), block.rows, self.batch_size)
+        if trap.keys:
+            value = batching.get_item(value, trap.keys)
+        return value
+
+    def _apply_write(self, block: Block, v: _Visit, write) -> None:
+        target = write.target
+        where = target.describe()
+        if target.kind == SKIP:
+            if block.rows is not None:
+                where = f"{self.names[target.index]}.skip"
+                raise WriteError(
+                    f"{where}: skipping a module is only possible from an invoke that sees the whole "
+                    f"batch (invoke without input, or run this invoke in a trace of its own)"
+                )
+            v.skip = write.value
+            return
+        current = v.get(target.kind)
+        new = batching.put_at(current, target.keys, write.value, block.rows, self.batch_size, where)
+        v.set(target.kind, new, where)
+
+    # ----------------------------------------------------------------------------------------
+    # generation steps
+
+    def _begin_step(self) -> None:
+        if self.steps_begun:
+            self.step += 1
+            n = len(self.counts)
+            self.counts = [0] * n
+            self.seen_in = [-1] * n
+            self._expire(lambda w: w.step < self.step)
+        self.steps_begun += 1
+        self.position = f"the start of step {self.step}"
+        gates, self._gates = self._gates, []
+        due = []
+        for entry in gates:
+            if entry[2] == self.step:
+                due.append(entry)
+            else:
+                self._gates.append(entry)
+        due.sort(key=lambda e: e[0].order)
+        for block, _, target in due:
+            if not block.done:
+                block.step = target
+                self._resume(block, target, None)
+        self.serve()
+
+    def _expire(self, stale: Callable[[_Wait], bool]) -> None:
+        """Throw a never-reached error into each block parked on a stale wait."""
+        hit: dict[int, tuple[Block, _Wait]] = {}
+        for lst in self.waits.values():
+            for w in lst:
+                if stale(w) and id(w.block) not in hit:
+                    hit[id(w.block)] = (w.block, w)
+        for block, w in sorted(hit.values(), key=lambda e: e[0].order):
+            if block.done:
+                continue
+            self._unpark(block)
+            self._resume(block, None, self._never_reached(w))
+
+    # ----------------------------------------------------------------------------------------
+    # the end of a run
+
+    def finish(self) -> None:
+        """End the run: close step loops, fail waits never reached at their lines, close the rest."""
+        self.finished = True
+        self.serve()
+        self.position = "the end of the run"
+        gates, self._gates = self._gates, []
+        for block, _, _ in sorted(gates, key=lambda e: e[0].order):
+            if not block.done:
+                self._resume(block, END, None)
+        self.serve()
+        for _ in range(3):  # a block may catch the error and wait again; give up after a few
+            if not any(not b.done for b in self.blocks):
+                break
+            for block in sorted(self.blocks, key=lambda b: b.order):
+                if block.done:
+                    continue
+                err = self._describe_wait(block)
+                self._unpark(block)
+                self._forget_slot_waits(block)
+                self._resume(block, None, err)
+            self.serve()
+        for block in self.blocks:
+            if not block.done:
+                self._close(block)
+
+    def close_all(self) -> None:
+        """Close every unfinished block without running more of it (used when a run aborts)."""
+        for block in self.blocks:
+            if not block.done:
+                self._close(block)
+
+    def _close(self, block: Block) -> None:
+        self._unpark(block)
+        self._forget_slot_waits(block)
+        err = self._describe_wait(block)
+        try:
+            block.coro.close()
+        except BaseException as close_err:  # a finally that awaits again
+            err = close_err
+        block.done = True
+        if block.error is None:
+            block.error = err
+
+    def _forget_slot_waits(self, block: Block) -> None:
+        trap = block.waiting
+        slots = []
+        if getattr(trap, "TRAP", None) == SLOT:
+            slots = [trap]
+        elif getattr(trap, "TRAP", None) == GATHER:
+            slots = [i for i in trap.items if getattr(i, "TRAP", None) == SLOT]
+        for s in slots:
+            s._waiters = [w for w in s._waiters if w[1] is not block]
+
+    def _complete(self, block: Block, value: Any) -> None:
+        block.done = True
+        self._unpark(block)
+        if block.writes:
+            w = block.writes[0]
+            block.error = WriteError(
+                f"{w.target.describe()}.set(...) at {w.line} was never awaited, so nothing was "
+                f"written: write `await {w.target.describe().split(' ')[0]}.set(value)`"
+            )
+            return
+        try:
+            block.result = batching.detach(value)
+        except Exception as err:
+            block.error = err
+
+    def _fail(self, block: Block, err: BaseException) -> None:
+        block.done = True
+        self._unpark(block)
+        block.error = err.with_traceback(_user_traceback(err.__traceback__))
+
+    # ----------------------------------------------------------------------------------------
+    # messages
+
+    def _name(self, index: int, kind: int) -> str:
+        path = self.names[index]
+        return f"{path}.{KIND_NAMES[kind]}" if path else KIND_NAMES[kind]
+
+    def _order_error(self, trap: Read, step: int) -> OrderError:
+        what = trap.describe()
+        if step < self.step:
+            return OrderError(
+                f"{what} of step {step} cannot be awaited: the model is already at {self.position} "
+                f"(step {self.step})"
+            )
+        return OrderError(
+            f"{what} has already passed in this run: the model is at {self.position}. Await "
+            f"locations in the order the model runs them, or use asyncpp.gather(...) to wait on "
+            f"several at once"
+        )
+
+    def _never_reached(self, w: _Wait) -> NeverReachedError:
+        trap = w.trap if w.trap.TRAP == READ else w.trap.target
+        return NeverReachedError(
+            f"{trap.describe()} was never reached in step {w.step}: the model ran that step to the "
+            f"end without calling it (or not that many times)"
+        )
+
+    def _describe_wait(self, block: Block) -> NeverReachedError:
+        trap = block.waiting
+        kind = getattr(trap, "TRAP", None)
+        if kind == READ or kind == WRITE:
+            t = trap if kind == READ else trap.target
+            msg = f"{t.describe()} was never reached: the run ended while the block waited on it"
+            if self.steps_begun > 1 or block.step:
+                msg += f" (step {block.step})"
+        elif kind == SLOT:
+            msg = f"slot {trap.name!r} was never set: the run ended while the block waited on it"
+        elif kind == GATHER:
+            names = ", ".join(i.describe() if hasattr(i, "describe") else repr(i) for i in trap.items)
+            msg = f"asyncpp.gather({names}) was not complete when the run ended"
+        else:
+            msg = "the run ended before the block finished"
+        return NeverReachedError(msg)
+
+
+_KERNEL_FILES = (__file__, traps.__file__)
+
+
+def _user_traceback(tb):
+    """Drop the interleaver's frames before the block and the trap frames after its ``await``,
+    so the traceback starts and ends in the user's code."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in _KERNEL_FILES:
+        tb = tb.tb_next
+    last_user = None
+    cur = tb
+    while cur is not None:
+        if cur.tb_frame.f_code.co_filename in _KERNEL_FILES:
+            if last_user is not None and all(
+                t.tb_frame.f_code.co_filename in _KERNEL_FILES for t in _walk(cur)
+            ):
+                last_user.tb_next = None
+                break
+        else:
+            last_user = cur
+        cur = cur.tb_next
+    return tb
+
+
+def _walk(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _foreign(msg: Any) -> ForeignAwaitError:
+    if msg is None:
+        what = "a bare yield (such as asyncio.sleep() or anyio.sleep())"
+    else:
+        what = f"{type(msg).__module__}.{type(msg).__qualname__}"
+    return ForeignAwaitError(
+        f"an intervention block awaited {what}, which asyncpp cannot serve: blocks run inside the "
+        f"model's forward pass, not on an event loop, so they can only await asyncpp locations, "
+        f"steps, slots and asyncpp.gather(...). Do event-loop work before or after the trace."
+    )
+
+
+__all__ = ["Block", "END", "Interleaver", "InternalError", "MISS", "PARKED"]

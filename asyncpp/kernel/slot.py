@@ -1,0 +1,54 @@
+"""Slots: one-shot values handed between blocks (or from an engine to a block) within a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .traps import SLOT
+
+_UNSET = object()
+
+
+class Slot:
+    """A value one block sets and other blocks await.
+
+    ``await slot`` returns at once if the value is there, else parks the block until ``set`` is
+    called; a block woken this way resumes within the same module visit, so a value produced at a
+    visit (a clean activation) can be used by another block at that same visit (to patch it in).
+    """
+
+    TRAP = SLOT
+    __slots__ = ("name", "_value", "_waiters")
+
+    def __init__(self, name: str = "slot"):
+        self.name = name
+        self._value: Any = _UNSET
+        self._waiters: list = []  # (interleaver, block, gather_state_or_None, index)
+
+    @property
+    def is_set(self) -> bool:
+        return self._value is not _UNSET
+
+    @property
+    def value(self) -> Any:
+        if self._value is _UNSET:
+            raise LookupError(f"slot {self.name!r} has no value yet: await it")
+        return self._value
+
+    def set(self, value: Any) -> None:
+        """Give the slot its value and wake every block waiting on it."""
+        if self._value is not _UNSET:
+            raise RuntimeError(f"slot {self.name!r} was already set")
+        self._value = value
+        waiters, self._waiters = self._waiters, []
+        for kernel, block, gather, i in waiters:
+            kernel.wake(block, value, gather, i)
+
+    def __await__(self):
+        if self._value is not _UNSET:
+            return self._value
+        return (yield self)
+
+    def __repr__(self) -> str:
+        state = "set" if self.is_set else f"unset, {len(self._waiters)} waiting"
+        return f"<Slot {self.name!r} {state}>"

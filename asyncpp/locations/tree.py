@@ -1,0 +1,166 @@
+"""The location tree: the object a block receives as ``m``, mirroring the model's module tree.
+
+Built once per model from ``named_modules()``: every module gets an index (its controller's key) and
+its dotted path, computed here once and used in every error, repr and ownership table.
+``m.model.layers[0].mlp.output`` is an attribute walk over prebuilt nodes, no string formatting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from typing import Any, Iterator
+
+from torch import nn
+
+from ..kernel.errors import PathError
+from ..kernel.traps import INPUT, INPUTS, OUTPUT, SKIP, Write
+from .location import Location
+from .steps import Steps
+
+RESERVED = frozenset({"output", "input", "inputs", "skip", "steps", "logits", "path", "module_type"})
+
+
+class Node:
+    """One module of the model. ``.output``, ``.input`` (first argument), ``.inputs`` ((args,
+    kwargs)) are its locations; children are attributes (``node.mlp``) or items (``node[0]``,
+    ``node["output"]`` for a child whose name is reserved here)."""
+
+    def __init__(self, path: str, index: int, module_type: str):
+        d = self.__dict__
+        d["path"] = path
+        d["module_type"] = module_type
+        d["_index"] = index
+        d["_children"] = {}
+        d["output"] = Location(index, OUTPUT, path)
+        d["input"] = Location(index, INPUT, path)
+        d["inputs"] = Location(index, INPUTS, path)
+
+    def _add(self, name: str, child: Node) -> None:
+        self._children[name] = child
+        if name.isidentifier() and name not in RESERVED:
+            self.__dict__[name] = child
+
+    def skip(self, value: Any) -> Write:
+        """Supply this module's output without running it; must be awaited:
+        ``await m.model.layers[3].mlp.skip(zeros)``."""
+        from ..kernel.interleaver import active_interleaver
+
+        f = sys._getframe(1)
+        write = Write(Location(self._index, SKIP, self.path), value, f"{f.f_code.co_filename}:{f.f_lineno}")
+        kernel = active_interleaver()
+        if kernel is not None and kernel.current is not None:
+            kernel.current.writes.append(write)
+        return write
+
+    def __getattr__(self, name: str) -> Node:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise PathError(_unknown(self, name))
+
+    def __getitem__(self, key: int | str) -> Node:
+        children = self._children
+        if isinstance(key, int):
+            n = len(children)
+            k = key + n if key < 0 else key
+            child = children.get(str(k))
+        else:
+            child = children.get(key)
+        if child is None:
+            raise PathError(_unknown(self, str(key)))
+        return child
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"{self._label()} is a module of the location tree; write to a location with "
+            f"`await {self._label()}.output.set(value)`"
+        )
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self._children.values())
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __await__(self):
+        raise TypeError(
+            f"{self._label()} is a module, not a location: await {self._label()}.output (or "
+            f".input / .inputs)"
+        )
+
+    def children(self) -> dict[str, Node]:
+        """This module's children by name."""
+        return dict(self._children)
+
+    def _label(self) -> str:
+        return self.path or "the root module"
+
+    def __repr__(self) -> str:
+        return f"<module {self._label()} ({self.module_type})>"
+
+
+class Root(Node):
+    """The whole model: a module node plus run-wide locations (``logits``) and ``steps()``."""
+
+    def __init__(self, index: int, module_type: str, aliases: dict[str, str] | None = None):
+        super().__init__("", index, module_type)
+        self.__dict__["_aliases"] = dict(aliases or {})
+
+    def steps(self, select: int | range | list[int] | None = None) -> Steps:
+        """Iterate generation steps: ``async for step in m.steps(): ...`` (all), ``m.steps(range(2,
+        5))``, ``m.steps([0, 3])``. The loop ends when generation ends."""
+        return Steps(select)
+
+    @property
+    def logits(self) -> Location:
+        """The model's logits (the engine decides which module produces them)."""
+        path = self._aliases.get("logits")
+        if path is None:
+            raise PathError(
+                f"this model has no logits location (a {self.module_type} without an lm_head); "
+                f"await m.output instead"
+            )
+        return self.find(path).output
+
+    def find(self, path: str) -> Node:
+        """The node at a dotted module path ('' for the root)."""
+        node: Node = self
+        if not path:
+            return node
+        for part in path.split("."):
+            node = node[part]
+        return node
+
+    def _label(self) -> str:
+        return "the root module"
+
+
+def build_tree(model: nn.Module, aliases: dict[str, str] | None = None) -> tuple[Root, list[nn.Module], list[str]]:
+    """Index every module of ``model``; return the root node, modules and paths by index."""
+    modules: list[nn.Module] = []
+    paths: list[str] = []
+    nodes: dict[str, Node] = {}
+    root: Root | None = None
+    for path, module in model.named_modules(remove_duplicate=True):
+        index = len(modules)
+        modules.append(module)
+        paths.append(path)
+        if not path:
+            root = Root(index, type(module).__name__, aliases)
+            nodes[""] = root
+            continue
+        parent_path, _, name = path.rpartition(".")
+        node = Node(path, index, type(module).__name__)
+        nodes[path] = node
+        nodes[parent_path]._add(name, node)
+    assert root is not None
+    return root, modules, paths
+
+
+def _unknown(node: Node, name: str) -> str:
+    names = list(node._children)
+    where = f"{node.path}.{name}" if node.path else name
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    listing = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "") if names else "none"
+    return f"the model has no module {where!r}{hint} (children of {node._label()}: {listing})"

@@ -1,0 +1,168 @@
+"""The trace API: ``async with asyncpp.trace(engine) as t: t.invoke(prompt, block)``.
+
+A trace collects invokes; leaving the ``with`` block runs them as one batched run on the engine and
+fills each invoke's handle. ``async with`` awaits the run off the caller's event loop; plain ``with``
+runs it on the calling thread. An exception from a block is raised at the ``with`` exit, with the
+block's own traceback; every handle still carries its own outcome.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from torch import nn
+
+from ..engines.base import Engine, InvokeSpec, RunOutcome, RunSpec
+from ..kernel.errors import AsyncppError
+from ..locations.validate import check_block_paths
+
+_PENDING = object()
+
+
+class Invoke:
+    """The handle of one invoke: its block's result, once the trace has run."""
+
+    __slots__ = ("index", "name", "_result", "_error", "output", "tokens")
+
+    def __init__(self, index: int, name: str):
+        self.index = index
+        self.name = name
+        self._result: Any = _PENDING
+        self._error: BaseException | None = None
+        self.output: Any = None  # this invoke's rows of the model's output (forward runs)
+        self.tokens: Any = None  # the tokens generated for this invoke's rows (generate runs)
+
+    @property
+    def result(self) -> Any:
+        """The block's return value (tensors detached and copied out of the model's buffers)."""
+        if self._error is not None:
+            raise self._error
+        if self._result is _PENDING:
+            raise AsyncppError(f"invoke #{self.index} ({self.name}) has no result yet: the trace has not run")
+        return self._result
+
+    @property
+    def exception(self) -> BaseException | None:
+        """The error the block raised, or None."""
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        return self._error is not None or self._result is not _PENDING
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else ("done" if self.done else "pending")
+        return f"<Invoke #{self.index} {self.name} {state}>"
+
+
+class Trace:
+    """One batched run of intervention blocks on an engine. Create with :func:`trace` or
+    :func:`generate`."""
+
+    def __init__(self, engine: Engine, spec: RunSpec):
+        self.engine = engine
+        self._spec = spec
+        self._handles: list[Invoke] = []
+        self._ran = False
+        self.output: Any = None  # the model's whole output, after the run
+
+    def invoke(self, input: Any = None, block: Callable | None = None, /, *args: Any, **kwargs: Any) -> Invoke:
+        """Add an invoke: ``block(m, *args, **kwargs)`` runs on ``input``'s rows of the batch.
+
+        ``t.invoke(block)`` (no input) gives a block that sees the whole batch.
+        """
+        if self._ran:
+            raise AsyncppError("this trace has already run; start a new one")
+        if block is None and callable(input) and not isinstance(input, nn.Module):
+            input, block = None, input
+        if block is None or not inspect.iscoroutinefunction(block):
+            what = getattr(block, "__name__", repr(block))
+            raise TypeError(
+                f"invoke() needs an `async def` block taking the model as its first argument; got {what}"
+            )
+        check_block_paths(block, self.engine.tree)
+        name = getattr(block, "__qualname__", "block")
+        handle = Invoke(len(self._handles), name)
+        self._handles.append(handle)
+        self._spec.invokes.append(InvokeSpec(input, block, args, kwargs, name))
+        return handle
+
+    @property
+    def invokes(self) -> list[Invoke]:
+        return list(self._handles)
+
+    # --- sync entry --------------------------------------------------------------------------
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or self._ran:
+            return
+        self._ran = True
+        if not self._spec.invokes:
+            return
+        self._settle(self.engine.run(self._spec))
+
+    # --- async entry -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Trace:
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or self._ran:
+            return
+        self._ran = True
+        if not self._spec.invokes:
+            return
+        self._settle(await self.engine.run_async(self._spec))
+
+    def _settle(self, outcome: RunOutcome) -> None:
+        self.output = outcome.output
+        first = None
+        for handle, o in zip(self._handles, outcome.invokes):
+            handle._result, handle._error = o.result, o.error
+            handle.output, handle.tokens = o.output, o.tokens
+            if o.error is not None and first is None:
+                first = (handle, o.error)
+        if outcome.error is not None:
+            raise outcome.error
+        if first is not None:
+            handle, err = first
+            if not getattr(err, "_asyncpp_noted", False):
+                err.add_note(f"(raised in invoke #{handle.index}, block {handle.name})")
+                err._asyncpp_noted = True  # type: ignore[attr-defined]
+            raise err
+
+
+def _engine_for(target: Engine | nn.Module) -> Engine:
+    if isinstance(target, Engine):
+        return target
+    if isinstance(target, nn.Module):
+        from ..engines.local.engine import LocalEngine
+
+        return LocalEngine.for_model(target)
+    raise TypeError(f"trace() needs an asyncpp engine or a torch.nn.Module, got {type(target).__name__}")
+
+
+def trace(target: Engine | nn.Module, *, grad: bool = False, **model_kwargs: Any) -> Trace:
+    """A trace of one forward pass on ``target`` (an engine or a ``torch.nn.Module``).
+
+    :param grad: run the forward with autograd enabled (default: ``torch.no_grad()``).
+    :param model_kwargs: extra keyword arguments for the model call.
+    """
+    return Trace(_engine_for(target), RunSpec([], grad=grad, model_kwargs=model_kwargs))
+
+
+def generate(
+    target: Engine | nn.Module, *, max_new_tokens: int, grad: bool = False, **generate_kwargs: Any
+) -> Trace:
+    """A trace of a generation loop (greedy unless ``generate_kwargs`` say otherwise).
+
+    Blocks iterate its steps with ``async for step in m.steps(): ...``; step 0 is the prompt.
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    spec = RunSpec([], generate=True, max_new_tokens=max_new_tokens, grad=grad, model_kwargs=generate_kwargs)
+    return Trace(_engine_for(target), spec)
