@@ -1,13 +1,13 @@
 """asyncpp: async intervention blocks that read and edit a model's internals while it runs.
 
-    async def steer(m, vec):
-        out = await m.model.layers[1].output
-        out[:, -1] += vec
-        return (await m.logits)[:, -1].argmax(-1)
+async def steer(m, vec):
+    out = await m.model.layers[1].output
+    out[:, -1] += vec
+    return (await m.logits)[:, -1].argmax(-1)
 
-    async with asyncpp.trace(model) as t:
-        h = t.invoke(prompt_ids, steer, vec)
-    h.result
+async with asyncpp.trace(model) as t:
+    h = t.invoke(prompt_ids, steer, vec)
+h.result
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..locations.tree import Root
 
@@ -61,5 +62,6 @@ class Engine(ABC):
     async def run_async(self, spec: RunSpec) -> RunOutcome:
         """Run off the caller's event loop and await the outcome."""
 
+    @abstractmethod
     def close(self) -> None:
         """Release the engine's threads and processes."""

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .errors import MissingAwaitError, WriteError
 
+
 def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:
     """Return ``value`` restricted to ``rows`` (views, no copies)."""
     if rows is None:

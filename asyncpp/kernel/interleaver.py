@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 from . import batching, traps
 from .errors import ForeignAwaitError, InternalError, NeverReachedError, OrderError, WriteError
@@ -36,7 +37,7 @@ _NOTHING = object()
 _active = threading.local()  # the interleaver running blocks on this thread
 
 
-def active_interleaver() -> "Interleaver | None":
+def active_interleaver() -> Interleaver | None:
     """The interleaver whose run is executing on this thread, if any."""
     return getattr(_active, "kernel", None)
 
@@ -299,7 +300,13 @@ class Interleaver:
         occ = trap.occ or 0
         step = block.step
         v = self.serving
-        if v is not None and v.index == trap.index and v.n == occ and step == self.step and v.stage == _stage(trap.kind):
+        if (
+            v is not None
+            and v.index == trap.index
+            and v.n == occ
+            and step == self.step
+            and v.stage == _stage(trap.kind)
+        ):
             return self._read_value(block, v, trap)  # a location of the visit being served
         if self.intercept is not None:
             got = self.intercept(block, trap, step, occ)
@@ -319,7 +326,13 @@ class Interleaver:
         occ = target.occ or 0
         step = block.step
         v = self.serving
-        if v is not None and v.index == target.index and v.n == occ and step == self.step and v.stage == _stage(target.kind):
+        if (
+            v is not None
+            and v.index == target.index
+            and v.n == occ
+            and step == self.step
+            and v.stage == _stage(target.kind)
+        ):
             try:
                 self._apply_write(block, v, write)
             except Exception as err:
@@ -372,9 +385,7 @@ class Interleaver:
             else:
                 self._unpark(block)
                 return _Throw(
-                    ForeignAwaitError(
-                        f"asyncpp.gather() takes locations and slots; item {i} is {item!r}"
-                    )
+                    ForeignAwaitError(f"asyncpp.gather() takes locations and slots; item {i} is {item!r}")
                 )
             state.remaining -= 1
         if state.remaining == 0:
@@ -475,7 +486,7 @@ class Interleaver:
             for kind in kinds:
                 lst = self.waits.get(base + kind)
                 if lst:
-                    self.position = self._name(v.index, kind)
+                    self.position = self._name(v.index, kind) + (f" (call {v.n})" if v.n else "")
                     self._serve_waits(v, kind, base + kind, lst)
             self.serve()
         finally:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
@@ -84,8 +85,7 @@ class Node:
 
     def __await__(self):
         raise TypeError(
-            f"{self._label()} is a module, not a location: await {self._label()}.output (or "
-            f".input / .inputs)"
+            f"{self._label()} is a module, not a location: await {self._label()}.output (or .input / .inputs)"
         )
 
     def children(self) -> dict[str, Node]:
@@ -135,7 +135,9 @@ class Root(Node):
         return "the root module"
 
 
-def build_tree(model: nn.Module, aliases: dict[str, str] | None = None) -> tuple[Root, list[nn.Module], list[str]]:
+def build_tree(
+    model: nn.Module, aliases: dict[str, str] | None = None
+) -> tuple[Root, list[nn.Module], list[str]]:
     """Index every module of ``model``; return the root node, modules and paths by index."""
     modules: list[nn.Module] = []
     paths: list[str] = []

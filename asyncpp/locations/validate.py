@@ -12,12 +12,12 @@ import ast
 import inspect
 import textwrap
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 from ..kernel.errors import PathError
 from .tree import RESERVED, Node, Root, _unknown
 
-_checked: "weakref.WeakKeyDictionary[Root, set]" = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[Root, set] = weakref.WeakKeyDictionary()
 _STOP = RESERVED | {"at", "set", "find", "children"}
 
 

@@ -52,7 +52,6 @@ def tiny_model_dir(config: dict[str, Any] | None = None, seed: int = SEED) -> Pa
 def _build(path: Path, cfg: dict[str, Any], seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -83,16 +82,13 @@ def _tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 def load_tiny(dtype: Any = None) -> tuple[Any, Any]:
     """The tiny model (eval mode, float32 by default) and its tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -9,7 +9,8 @@ block's own traceback; every handle still carries its own outcome.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -67,7 +68,9 @@ class Trace:
         self._ran = False
         self.output: Any = None  # the model's whole output, after the run
 
-    def invoke(self, input: Any = None, block: Callable | None = None, /, *args: Any, **kwargs: Any) -> Invoke:
+    def invoke(
+        self, input: Any = None, block: Callable | None = None, /, *args: Any, **kwargs: Any
+    ) -> Invoke:
         """Add an invoke: ``block(m, *args, **kwargs)`` runs on ``input``'s rows of the batch.
 
         ``t.invoke(block)`` (no input) gives a block that sees the whole batch.

@@ -14,7 +14,8 @@ import asyncio
 import queue
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class ModelThread:
@@ -41,6 +42,11 @@ class ModelThread:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
+
+    def stop_soon(self) -> None:
+        """Ask the thread to exit after its queued jobs, without waiting."""
+        if self._thread is not None:
+            self._jobs.put(None)
 
     def _main(self) -> None:
         jobs = self._jobs

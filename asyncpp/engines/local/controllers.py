@@ -8,7 +8,9 @@ runs the controllers are removed: the model carries no asyncpp state.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -37,6 +39,18 @@ def make_controller(slot: RunSlot, index: int, forward: Callable) -> Callable:
     return controller
 
 
+def _weak_forward(module: nn.Module) -> Callable:
+    """The module's forward without a strong reference to the module (for the root, so that an
+    engine cached per model does not keep its model alive)."""
+    ref = weakref.ref(module)
+    fn = type(module).forward
+
+    def forward(*args, **kwargs):
+        return fn(ref(), *args, **kwargs)
+
+    return forward
+
+
 class Controllers:
     """The controllers of one model, installed for a run and removed after it."""
 
@@ -44,7 +58,8 @@ class Controllers:
         self._entries = []
         for index, module in enumerate(modules):
             own = module.__dict__.get("forward")  # an instance-level forward someone else set
-            ctrl = make_controller(slot, index, module.forward)
+            forward = module.forward if (index or own is not None) else _weak_forward(module)
+            ctrl = make_controller(slot, index, forward)
             self._entries.append((module.__dict__, ctrl, own))
 
     def install(self) -> None:

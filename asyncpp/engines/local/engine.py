@@ -35,26 +35,36 @@ class LocalEngine(Engine):
     :param tokenizer: turns string prompts into token ids (optional).
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None):
-        self.model = model
+    def __init__(self, model: nn.Module, tokenizer: Any = None, *, _cached: bool = False):
+        self._model = weakref.ref(model)
         self.tokenizer = tokenizer
         self.is_lm = _is_causal_lm(model)
         aliases = {}
         if self.is_lm and isinstance(getattr(model, "lm_head", None), nn.Module):
             aliases["logits"] = "lm_head"
-        self.tree, self.modules, self.paths = build_tree(model, aliases)
+        self.tree, modules, self.paths = build_tree(model, aliases)
         self._slot = RunSlot()
-        self._controllers = Controllers(self.modules, self._slot)
+        self._controllers = Controllers(modules, self._slot)
         self._lock = threading.Lock()
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
+        weakref.finalize(self, self._thread.stop_soon)
         self.switch = None  # the thread-local-state swap (set by the TLS layer)
+        # an engine the user made owns its model; the per-model cache of for_model() must not
+        self._owned = None if _cached else model
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model of this engine no longer exists")
+        return model
 
     @classmethod
     def for_model(cls, model: nn.Module) -> LocalEngine:
         """The shared engine of ``model`` (created on first use)."""
         engine = _engines.get(model)
         if engine is None:
-            engine = cls(model)
+            engine = cls(model, _cached=True)
             _engines[model] = engine
         return engine
 
@@ -86,7 +96,9 @@ class LocalEngine(Engine):
             try:
                 with kernel.active(), torch.set_grad_enabled(spec.grad):
                     for order, inv in enumerate(spec.invokes):
-                        kernel.start(inv.block(self.tree, *inv.args, **inv.kwargs), order, rows[order], inv.name)
+                        kernel.start(
+                            inv.block(self.tree, *inv.args, **inv.kwargs), order, rows[order], inv.name
+                        )
                     kernel.serve()
                     try:
                         out = call()
@@ -163,4 +175,4 @@ class LocalEngine(Engine):
         return call, rows, batch_size, prompt_len
 
 
-_engines: "weakref.WeakKeyDictionary[nn.Module, LocalEngine]" = weakref.WeakKeyDictionary()
+_engines: weakref.WeakKeyDictionary[nn.Module, LocalEngine] = weakref.WeakKeyDictionary()

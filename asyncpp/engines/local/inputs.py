@@ -69,7 +69,9 @@ def tensor_batch(values: list[Any], where: list[str]) -> tuple[tuple, list[int]]
     arity = len(parts[0])
     for p, w in zip(parts, where):
         if len(p) != arity or not all(isinstance(x, Tensor) and x.dim() > 0 for x in p):
-            raise InputError(f"{w}: every invoke must pass the same number of tensors (with a batch dimension)")
+            raise InputError(
+                f"{w}: every invoke must pass the same number of tensors (with a batch dimension)"
+            )
     sizes = [p[0].shape[0] for p in parts]
     if len(parts) == 1:
         return parts[0], sizes
