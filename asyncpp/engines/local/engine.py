@@ -47,7 +47,7 @@ class LocalEngine(Engine):
         self._controllers = Controllers(modules, self._slot)
         self._lock = threading.Lock()
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
-        weakref.finalize(self, self._thread.stop_soon)
+        weakref.finalize(self, self._thread.stop_soon).atexit = False
         self.switch = None  # the thread-local-state swap (set by the TLS layer)
         # an engine the user made owns its model; the per-model cache of for_model() must not
         self._owned = None if _cached else model
