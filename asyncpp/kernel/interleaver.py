@@ -68,6 +68,7 @@ class Block:
         "writes",
         "state",
     )
+    # state: the block's torch thread-local state (a BlockState of the switch), or None
 
     def __init__(self, coro, order: int, rows: tuple[int, int] | None, name: str = "block"):
         self.coro = coro
@@ -194,7 +195,7 @@ class Interleaver:
         self.position = "the start of the run"  # where the model is, for order errors
         self.intercept: Callable | None = None  # (block, read, step, occ) -> value | MISS
         self.publish: Callable | None = None  # (index, kind, n, value) -> None
-        self.switch = switch  # thread-local-state swap: .enter(block) / .leave(block)
+        self.switch = switch  # the thread-local-state swap: BlockState(), enter(s), leave(s)
         self.finished = False
         if step_index is not None:
             self._ref(step_index)  # the root's visits begin steps, so it is always watched
@@ -218,7 +219,7 @@ class Interleaver:
         block.step = self.step
         self.blocks.append(block)
         if self.switch is not None:
-            self.switch.adopt(block)
+            block.state = self.switch.BlockState()  # the thread's state right now
         self._resume(block, None, None)
         return block
 
@@ -227,9 +228,9 @@ class Interleaver:
         prev = self.current
         self.current = block
         block.waiting = None
-        switch = self.switch
-        if switch is not None:
-            switch.enter(block)
+        state = block.state
+        if state is not None:
+            self.switch.enter(state)
         coro = block.coro
         try:
             while True:
@@ -264,8 +265,8 @@ class Interleaver:
                 if type(value) is _Throw:
                     exc, value = value.exc, None
         finally:
-            if switch is not None:
-                switch.leave(block)
+            if state is not None:
+                self.switch.leave(state)
             self.current = prev
 
     def wake(self, block: Block, value: Any, gather: _GatherState | None = None, slot: int = 0) -> None:

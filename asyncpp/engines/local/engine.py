@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import tls
 from ...kernel.batching import narrow
 from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree
@@ -21,6 +22,8 @@ from ...trace.bridge import ModelThread, run_on_thread
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from .controllers import Controllers, RunSlot
 from .inputs import InputError, lm_batch, tensor_batch, token_rows
+
+_UNSET = object()
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -48,7 +51,7 @@ class LocalEngine(Engine):
         self._lock = threading.Lock()
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
         weakref.finalize(self, self._thread.stop_soon).atexit = False
-        self.switch = None  # the thread-local-state swap (set by the TLS layer)
+        self._switch: Any = _UNSET  # the thread-local-state swap, loaded at the first run
         # an engine the user made owns its model; the per-model cache of for_model() must not
         self._owned = None if _cached else model
 
@@ -80,6 +83,13 @@ class LocalEngine(Engine):
         self._thread.stop()
 
     # ----------------------------------------------------------------------------------------
+
+    @property
+    def switch(self) -> Any:
+        """The torch thread-local-state swap (None when switched off with ASYNCPP_TLS_SWAP=0)."""
+        if self._switch is _UNSET:
+            self._switch = tls.get_switch()  # raises TLSBuildError when it cannot be built
+        return self._switch
 
     def _execute(self, spec: RunSpec) -> RunOutcome:
         call, rows, batch_size, prompt_len = self._prepare(spec)

@@ -1,0 +1,146 @@
+// asyncpp thread-local-state swap.
+//
+// Intervention blocks and the model's forward share one OS thread, and torch keeps grad mode,
+// inference mode, autocast, dispatch-key sets, mode stacks and saved-tensor hooks per thread.
+// Every switch into a block installs that block's state and every switch back restores the
+// forward's. A full capture (at::ThreadLocalState) costs around a microsecond, so each side is
+// summarised by a fingerprint of the cheap TLS getters: when the block's fingerprint equals the
+// thread's at entry, and the block changed nothing before it left, no state is copied at all.
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/AutogradState.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+constexpr size_t kWords = 12;
+using Fingerprint = std::array<uint64_t, kWords>;
+
+int autocast_nesting() {
+  at::autocast::increment_nesting();
+  return at::autocast::decrement_nesting();
+}
+
+void set_autocast_nesting(int target) {
+  int now = autocast_nesting();
+  while (now < target) now = at::autocast::increment_nesting();
+  while (now > target) now = at::autocast::decrement_nesting();
+}
+
+uint64_t ptr_bits(const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+Fingerprint fingerprint() {
+  Fingerprint f{};
+  const auto keys = c10::impl::tls_local_dispatch_key_set();
+  f[0] = keys.included_.raw_repr();
+  f[1] = keys.excluded_.raw_repr();
+  const auto& ag = c10::AutogradState::get_tls_state();
+  f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
+         ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
+         ((uint64_t)ag.get_view_replay_enabled() << 4) |
+         ((uint64_t)at::autocast::is_autocast_cache_enabled() << 5) |
+         ((uint64_t)at::SavedTensorDefaultHooks::is_enabled() << 6) |
+         ((uint64_t)at::hasThreadLocalCallbacks() << 7);
+  f[3] = (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU)) |
+         ((uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA)) << 16) |
+         ((uint64_t)static_cast<uint32_t>(autocast_nesting()) << 32);
+  const int64_t tf_len = at::impl::PythonTorchFunctionTLS::stack_len();
+  f[4] = (uint64_t)tf_len | ((uint64_t)static_cast<int>(at::impl::PythonTorchFunctionTLS::get_disabled_state()) << 48);
+  f[5] = tf_len ? ptr_bits(at::impl::PythonTorchFunctionTLS::get_stack_at(tf_len - 1).get()) : 0;
+  const int64_t dm_len = c10::impl::TorchDispatchModeTLS::stack_len();
+  f[6] = (uint64_t)dm_len | ((uint64_t)c10::impl::TorchDispatchModeTLS::any_modes_set() << 48);
+  f[7] = dm_len ? ptr_bits(c10::impl::TorchDispatchModeTLS::get_stack_at(dm_len - 1).get()) : 0;
+  f[8] = ptr_bits(c10::impl::PythonDispatcherTLS::get_state());
+  const auto& hooks = at::SavedTensorDefaultHooks::get_tls_state().stack;
+  f[9] = hooks.size();
+  f[10] = hooks.empty() ? 0 : ptr_bits(&hooks.top());
+  f[11] = ptr_bits(c10::ThreadLocalDebugInfo::current().get());
+  return f;
+}
+
+// The torch state of one block.
+struct BlockState {
+  at::ThreadLocalState state;  // the block's own state (captured when it last changed)
+  int nesting;                 // autocast nesting depth, which ThreadLocalState leaves out
+  Fingerprint fp;
+  // set while the block runs:
+  std::optional<at::ThreadLocalState> outer;  // the thread's state at a slow entry
+  int outer_nesting = 0;
+  Fingerprint outer_fp{};
+  bool inside = false;
+  uint64_t slow_entries = 0;  // for the benchmark: entries that had to copy state
+  uint64_t captures = 0;      // leaves where the block had changed its state
+
+  BlockState() : state(), nesting(autocast_nesting()), fp(fingerprint()) {}
+};
+
+// Switch into a block: install its state on the calling thread.
+void enter(BlockState& b) {
+  TORCH_CHECK(!b.inside, "asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
+  b.inside = true;
+  Fingerprint now = fingerprint();
+  b.outer_fp = now;
+  if (now == b.fp) {
+    return;  // fast path: the thread already has the block's state
+  }
+  b.slow_entries++;
+  b.outer.emplace();
+  b.outer_nesting = autocast_nesting();
+  at::ThreadLocalState::setThreadLocalState(b.state);
+  set_autocast_nesting(b.nesting);
+}
+
+// Switch out of a block: keep what it changed, give the thread back its state.
+void leave(BlockState& b) {
+  TORCH_CHECK(b.inside, "asyncpp: a block was left without being entered");
+  b.inside = false;
+  Fingerprint now = fingerprint();
+  const bool changed = now != b.fp;
+  if (b.outer.has_value()) {
+    if (changed) {
+      b.state = at::ThreadLocalState();
+      b.nesting = autocast_nesting();
+      b.fp = now;
+      b.captures++;
+    }
+    at::ThreadLocalState::setThreadLocalState(*b.outer);
+    set_autocast_nesting(b.outer_nesting);
+    b.outer.reset();
+    return;
+  }
+  if (!changed) {
+    return;  // fast path: nothing changed on either side
+  }
+  // the block changed its state after a fast entry: before that, its state was the thread's
+  at::ThreadLocalState previous = std::move(b.state);
+  const int previous_nesting = b.nesting;
+  b.state = at::ThreadLocalState();
+  b.nesting = autocast_nesting();
+  b.fp = now;
+  b.captures++;
+  at::ThreadLocalState::setThreadLocalState(previous);
+  set_autocast_nesting(previous_nesting);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "asyncpp: swap torch's thread-local state at every switch between a block and the forward";
+  pybind11::class_<BlockState>(m, "BlockState")
+      .def(pybind11::init<>(), "Capture the calling thread's state as a new block's initial state.")
+      .def_readonly("slow_entries", &BlockState::slow_entries)
+      .def_readonly("captures", &BlockState::captures)
+      .def_readonly("inside", &BlockState::inside);
+  m.def("enter", &enter, "Install a block's state on the calling thread.");
+  m.def("leave", &leave, "Save a block's state and restore the thread's.");
+  m.def("fingerprint", []() {
+    auto f = fingerprint();
+    return std::vector<uint64_t>(f.begin(), f.end());
+  });
+}

@@ -1,0 +1,271 @@
+"""Torch thread-local state is isolated per block by the C++ swap (csrc/tls_swap.cpp).
+
+Each isolation test runs twice: with the swap (the state stays isolated) and with the swap switched
+off on the engine (the leak is observed), which proves the test would catch a missing swap.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import asyncpp
+from asyncpp.kernel.interleaver import Interleaver
+from asyncpp.tls import load
+
+
+def torch_state() -> dict:
+    return {
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "autocast": torch.is_autocast_enabled("cpu"),
+        "modes": len(torch.overrides._get_current_function_mode_stack()),
+    }
+
+
+class Probe(nn.Module):
+    """Records the torch state the model's own code runs with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[dict] = []
+
+    def forward(self, x):
+        self.seen.append(torch_state())
+        return x
+
+
+class ProbeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p0, self.lin0, self.p1, self.lin1, self.p2 = (
+            Probe(),
+            nn.Linear(4, 4),
+            Probe(),
+            nn.Linear(4, 4),
+            Probe(),
+        )
+
+    def forward(self, x):
+        return self.p2(self.lin1(self.p1(self.lin0(self.p0(x)))))
+
+
+class CountingMode(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+CONTEXTS = {
+    "no_grad": (torch.no_grad, "grad", False),
+    "inference_mode": (torch.inference_mode, "inference", True),
+    "autocast": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), "autocast", True),
+    "torch_function_mode": (CountingMode, "modes", 1),
+}
+
+
+@pytest.fixture(params=[True, False], ids=["swap", "no-swap"])
+def swap(request):
+    return request.param
+
+
+def _engine(model, swap: bool) -> asyncpp.LocalEngine:
+    engine = asyncpp.LocalEngine(model)
+    if not swap:
+        engine._switch = None  # this engine only: run without the swap to show the leak
+    return engine
+
+
+@pytest.mark.parametrize("ctx", list(CONTEXTS))
+def test_state_held_across_awaits_does_not_leak_into_the_model(ctx, swap):
+    torch.manual_seed(0)
+    model = ProbeNet()
+    make, key, inside_value = CONTEXTS[ctx]
+    engine = _engine(model, swap)
+
+    async def block(m):
+        with make():
+            await m.p0.output  # parks inside the context: the model runs p1 meanwhile
+            mine = torch_state()  # resumed: the block's own state is back
+            await m.p2.output
+        return mine
+
+    async def other(m):
+        await m.lin1.output  # resumed between the first block's awaits
+        return torch_state()
+
+    with asyncpp.trace(engine, grad=True) as t:
+        h = t.invoke(torch.randn(2, 4), block)
+        o = t.invoke(other)
+    outside = {"grad": True, "inference": False, "autocast": False, "modes": 0}
+    assert h.result[key] == inside_value
+    if swap:
+        assert model.p1.seen[-1] == outside  # the model's own layers never saw the block's state
+        assert o.result == outside  # nor did the other block
+    else:
+        assert model.p1.seen[-1][key] == inside_value  # without the swap the state leaks
+    assert torch_state() == outside
+
+
+def test_torch_function_mode_sees_only_the_blocks_own_ops(swap):
+    torch.manual_seed(0)
+    model = ProbeNet()
+    engine = _engine(model, swap)
+    mode = CountingMode()
+
+    async def block(m):
+        with mode:
+            h = await m.p0.output
+            h.sum()  # one op of the block's own
+            await m.p2.output
+        return None
+
+    with asyncpp.trace(engine, grad=True) as t:
+        t.invoke(torch.randn(2, 4), block)
+    if swap:
+        assert mode.calls == 1
+    else:
+        assert mode.calls > 1  # the model's linear layers ran under the block's mode
+
+
+def test_block_starts_with_the_forwards_state():
+    torch.manual_seed(0)
+    model = ProbeNet()
+
+    async def block(m):
+        made = torch.ones(2)
+        return torch_state(), made.is_inference()
+
+    for grad in (True, False):
+        with asyncpp.trace(model, grad=grad) as t:
+            h = t.invoke(torch.randn(2, 4), block)
+        assert h.result[0]["grad"] is grad
+    with torch.inference_mode():
+        with asyncpp.trace(model) as t:  # sync entry: the run inherits the caller's state
+            h = t.invoke(torch.randn(2, 4), block)
+    state, is_inference = h.result
+    assert state["inference"] and is_inference
+
+
+def test_code_after_a_generation_loop_keeps_its_state(engine):
+    async def block(m):
+        with torch.inference_mode():
+            async for _ in m.steps():
+                await m.model.layers[0].output
+            after = torch_state()  # resumed at the end of the run, outside the forward
+        return after
+
+    with asyncpp.generate(engine, max_new_tokens=3, grad=True) as t:
+        h = t.invoke("Hi", block)
+    assert h.result["inference"] is True
+    assert torch_state()["inference"] is False
+
+
+def test_block_resumed_on_another_thread_gets_its_state_there():
+    ext = load()
+    kernel = Interleaver(["", "x"], 1, switch=ext)
+    slot = asyncpp.Slot("go")
+    seen = {}
+
+    async def block(m):
+        with torch.no_grad():
+            seen["start_thread"] = threading.current_thread().name
+            value = await slot  # parked; resumed at a serve point on another thread
+            seen["resume_thread"] = threading.current_thread().name
+            seen["grad_after_resume"] = torch.is_grad_enabled()
+        seen["grad_after_context"] = torch.is_grad_enabled()
+        return value
+
+    with torch.enable_grad():
+        kernel.start(block(None), 0)
+    assert torch.is_grad_enabled()  # the starting thread got its state back
+
+    def serve_elsewhere():
+        seen["thread_grad_before"] = torch.is_grad_enabled()
+        with kernel.active():
+            slot.set(42)
+            kernel.serve()
+        seen["thread_grad_after"] = torch.is_grad_enabled()
+
+    t = threading.Thread(target=serve_elsewhere, name="server")
+    t.start()
+    t.join(30)
+    block_ = kernel.blocks[0]
+    assert block_.done and block_.result == 42
+    assert seen["resume_thread"] == "server" and seen["start_thread"] != "server"
+    assert seen["grad_after_resume"] is False  # the block's no_grad travelled with it
+    assert seen["grad_after_context"] is True  # and its start state (grad on) is under it
+    assert seen["thread_grad_before"] is True and seen["thread_grad_after"] is True
+
+
+def _run_script(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+SCRIPT = """
+    import torch, asyncpp
+    from torch import nn
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    seen = []
+    model[1].register_forward_pre_hook(lambda mod, args: seen.append(torch.is_grad_enabled()))
+
+    async def block(m):
+        with torch.no_grad():
+            await m[0].output
+            await m[1].output
+
+    with asyncpp.trace(model, grad=True) as t:
+        t.invoke(torch.randn(1, 4), block)
+    print("model saw grad", seen[0])
+"""
+
+
+def test_env_var_turns_the_swap_off_knowingly():
+    on = _run_script(SCRIPT, {})
+    off = _run_script(SCRIPT, {"ASYNCPP_TLS_SWAP": "0"})
+    assert on.returncode == 0, on.stderr
+    assert off.returncode == 0, off.stderr
+    assert "model saw grad True" in on.stdout
+    assert "model saw grad False" in off.stdout
+
+
+def test_failed_build_raises_a_clear_error_at_run_start(tmp_path):
+    res = _run_script(
+        SCRIPT,
+        {"ASYNCPP_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"},
+    )
+    assert res.returncode != 0
+    assert "TLSBuildError" in res.stderr
+    assert "ASYNCPP_TLS_SWAP=0" in res.stderr
+    assert "g++" in res.stderr
+
+
+def test_second_load_does_not_rebuild():
+    res = _run_script(
+        "import time; t = time.perf_counter(); from asyncpp.tls import load; m = load(); print(m.__file__)",
+        {"ASYNCPP_BUILD_VERBOSE": "1"},
+    )
+    assert res.returncode == 0, res.stderr
+    assert "Building extension" not in res.stdout + res.stderr
+    assert (
+        "ninja" not in (res.stdout + res.stderr).lower()
+        or "no work to do" in (res.stdout + res.stderr).lower()
+    )
