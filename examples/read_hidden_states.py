@@ -68,9 +68,9 @@ def main():
         two = t.invoke(["Good morning", "Bonjour"], my_rows)
         whole = t.invoke(my_rows)
     print("rows each block sees at layers.0:")
-    print(f"  'Hi'                      {short.result}")
-    print(f"  ['Good morning', 'Bonjour'] {two.result}")
-    print(f"  no input (whole batch)    {whole.result}")
+    print(f"  'Hi'                         {short.result}")
+    print(f"  ['Good morning', 'Bonjour']  {two.result}")
+    print(f"  no input (whole batch)       {whole.result}")
     print(
         f"each handle's .output: logits {tuple(short.output.logits.shape)} and "
         f"{tuple(two.output.logits.shape)}; whole run: {tuple(t.output.logits.shape)}"
