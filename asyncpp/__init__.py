@@ -26,9 +26,11 @@ from .kernel.errors import (
     PathError,
     WriteError,
 )
-from .kernel.slot import Slot
+from .engines.local.inputs import InputError
+from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location
+from .tls import TLSBuildError
 from .trace.api import Invoke, Trace, generate, trace
 
 __version__ = "0.1.0"
@@ -48,6 +50,7 @@ __all__ = [
     "Engine",
     "ForeignAwaitError",
     "InternalError",
+    "InputError",
     "Invoke",
     "LocalEngine",
     "Location",
@@ -56,6 +59,8 @@ __all__ = [
     "OrderError",
     "PathError",
     "Slot",
+    "SlotError",
+    "TLSBuildError",
     "Trace",
     "WriteError",
     "gather",

@@ -360,8 +360,18 @@ def machine_info() -> dict[str, str]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "asyncpp": version,
+        "torch TLS swap": tls_state(),
         "load average before the run": load,
     }
+
+
+def tls_state() -> str:
+    try:
+        from asyncpp import tls
+    except ImportError:
+        return "n/a (this asyncpp has none)"
+    on = tls.enabled()
+    return f"{'on' if on else 'off'} (ASYNCPP_TLS_SWAP={os.environ.get('ASYNCPP_TLS_SWAP', 'unset')})"
 
 
 def command_line() -> str:
@@ -807,47 +817,48 @@ def profile_invokes(model: nn.Module, n: int, slope_us: float | None) -> None:
     )
 
 
-def profile_read_ablations(model: nn.Module, x: torch.Tensor, rounds: int, inner: int) -> None:
-    """Read slopes with pieces of the read path swapped out at run time (nothing is edited)."""
+@contextlib.contextmanager
+def patched(obj: Any, attr: str, new: Any):
+    """Set ``obj.attr`` to ``new`` for the duration (in this process only)."""
+    old = getattr(obj, attr)
+    setattr(obj, attr, new)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)
+
+
+def _ablations(model: nn.Module) -> dict[str, Callable[[], Any]]:
+    """Pieces of a run that can be swapped out at run time, each as a context factory. Ones whose
+    target no longer exists are left out."""
+    from asyncpp.engines.local import engine as engine_mod
     from asyncpp.kernel import batching
     from asyncpp.kernel.interleaver import Interleaver
+    from asyncpp.trace import api
 
-    orig_detach = batching.detach
-    orig_name = Interleaver._name
-
-    tensor = torch.Tensor
-
-    def detach_lean_list(value):  # one loop over a returned list, no per-element call
-        if type(value) is list:
-            return [v.detach().clone() if isinstance(v, tensor) else orig_detach(v) for v in value]
-        return orig_detach(value)
-
-    def detach_none(value):
-        return value
-
-    def fixed_name(self, index, kind):
-        return "?"
-
-    @contextlib.contextmanager
-    def patched(obj, attr, new):
-        old = getattr(obj, attr)
-        setattr(obj, attr, new)
-        try:
-            yield
-        finally:
-            setattr(obj, attr, old)
-
-    configs = {
-        "as is": contextlib.nullcontext,
-        "results: a list copied in one comprehension (no per-element detach() call)": lambda: patched(
-            batching, "detach", detach_lean_list
-        ),
-        "results: no copy at all (detach = identity)": lambda: patched(batching, "detach", detach_none),
-        "no position string per served visit (_name -> constant)": lambda: patched(
-            Interleaver, "_name", fixed_name
+    engine = asyncpp.LocalEngine.for_model(model)
+    table = {
+        "torch TLS swap off (engine switch = None)": (engine, "_switch", None),
+        "results not copied (batching.detach = identity)": (batching, "detach", lambda v: v),
+        "no position string per served visit (_name = constant)": (Interleaver, "_name", lambda *a: "?"),
+        "invoke outputs not narrowed (engine's narrow = identity)": (engine_mod, "narrow", lambda v, r, b: v),
+        "no block path check in invoke() (check_block_paths = no-op)": (
+            api,
+            "check_block_paths",
+            lambda *a: None,
         ),
     }
-    assert batching.detach is orig_detach and Interleaver._name is orig_name
+    out: dict[str, Callable[[], Any]] = {"as is": contextlib.nullcontext}
+    for name, (obj, attr, new) in table.items():
+        if hasattr(obj, attr):
+            out[name] = lambda obj=obj, attr=attr, new=new: patched(obj, attr, new)
+    return out
+
+
+def profile_read_ablations(model: nn.Module, x: torch.Tensor, rounds: int, inner: int) -> None:
+    """Read slopes with pieces of the read path swapped out at run time (nothing is edited)."""
+    keep = ("as is", "torch TLS", "results not", "no position")
+    configs = {k: v for k, v in _ablations(model).items() if k.startswith(keep)}
     variants = []
     for cname, ctx in configs.items():
         for k in (0, 32):
@@ -859,9 +870,37 @@ def profile_read_ablations(model: nn.Module, x: torch.Tensor, rounds: int, inner
         v0, v32 = variants[2 * i], variants[2 * i + 1]
         per = diff(v32, v0) / 32
         base = per if base is None else base
-        rows.append([cname, f"{per:.2f}", f"{per - base:+.2f}"])
-    print("\n### Profile: read path ablations (us per read, (k=32 - k=0) / 32)\n")
-    print(md_table(["read path", "us/read", "vs as is"], rows))
+        rows.append([cname, f"{per:.2f}", f"{per - base:+.2f}", f"{v0.med():.1f}"])
+    print("\n### Profile: read path ablations (us per read = (k=32 - k=0) / 32, paired by round)\n")
+    print(md_table(["read path", "us/read", "vs as is", "k=0 trace, median us"], rows))
+
+
+def profile_invoke_ablations(model: nn.Module, rounds: int, inner: int) -> None:
+    """Extra-invoke and fixed costs with pieces of a run swapped out at run time."""
+    keep = ("as is", "torch TLS", "invoke outputs", "no block path")
+    configs = {k: v for k, v in _ablations(model).items() if k.startswith(keep)}
+    x4 = torch.randn(4, WIDTH)
+    rows1, rows4 = [x4[:1]], [x4[i : i + 1] for i in range(4)]
+    p1 = Variant("plain 1", plain_fn(model, x4[:1]), torch.no_grad)
+    p4 = Variant("plain 4", plain_fn(model, x4), torch.no_grad)
+    variants = [p1, p4]
+    for cname, ctx in configs.items():
+        variants.append(Variant(f"{cname}|1", invokes_fn(model, rows1), ctx))
+        variants.append(Variant(f"{cname}|4", invokes_fn(model, rows4), ctx))
+    run_rounds(variants, rounds, inner, 100, seed=4)
+    plain_step = diff(p4, p1)
+    rows = []
+    base = None
+    for i, cname in enumerate(configs):
+        v1, v4 = variants[2 + 2 * i], variants[3 + 2 * i]
+        per = (diff(v4, v1) - plain_step) / 3
+        base = per if base is None else base
+        rows.append([cname, f"{per:.2f}", f"{per - base:+.2f}", f"{diff(v1, p1):.1f}"])
+    print(
+        "\n### Profile: invoke ablations (us per extra invoke = (4 invokes - 1 invoke - plain(4 rows - 1 "
+        "row)) / 3; fixed = 1-invoke trace - plain, 1 row)\n"
+    )
+    print(md_table(["run", "us/extra invoke", "vs as is", "fixed us"], rows))
 
 
 def profile_micro(model: nn.Module, x: torch.Tensor) -> None:
@@ -907,6 +946,7 @@ def run_profiles(r: dict[str, Any], args) -> None:
         ("reads", lambda: profile_reads(model, x, 300, read_slope)),
         ("read ablations", lambda: profile_read_ablations(model, x, rounds, inner)),
         ("invokes", lambda: profile_invokes(model, 1000, inv_slope)),
+        ("invoke ablations", lambda: profile_invoke_ablations(model, rounds, inner)),
         ("micro", lambda: profile_micro(model, x)),
     ]
     for name, step in steps:

@@ -166,3 +166,27 @@ async def test_every_event_loop(anyio_backend, mlp):
             tg.start_soon(one, i)
     for i in range(4):
         assert torch.allclose(results[i], mlp(x * i))
+
+
+@pytest.mark.asyncio
+async def test_two_engines_on_one_model_take_turns(tiny):
+    model, tok = tiny
+    e1, e2 = asyncpp.LocalEngine(model, tok), asyncpp.LocalEngine(model, tok)
+
+    async def block(m):
+        await m.model.layers[1].output
+        return (await m.logits)[:, -1].argmax(-1).item()
+
+    prompt = tok("Hello world, " * 5)["input_ids"]
+
+    async def one(e):
+        async with asyncpp.trace(e) as t:
+            h = t.invoke(prompt, block)
+        return h.result
+
+    with asyncpp.trace(e1) as t:
+        expected = t.invoke(prompt, block)
+    results = await asyncio.gather(*(one(e) for e in (e1, e2, e1, e2, model)))
+    assert results == [expected.result] * 5
+    e1.close()
+    e2.close()

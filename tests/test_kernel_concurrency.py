@@ -97,3 +97,14 @@ def test_slot_never_set_is_reported(mlp):
     with pytest.raises(asyncpp.NeverReachedError, match="slot 'never' was never set"):
         with asyncpp.trace(mlp) as t:
             t.invoke(x, waits, asyncpp.Slot("never"))
+
+
+def test_slot_set_twice_is_an_error(mlp):
+    async def twice(m, slot):
+        await m[0].output
+        slot.set(1)
+        slot.set(2)
+
+    with pytest.raises(asyncpp.SlotError, match="already set"):
+        with asyncpp.trace(mlp) as t:
+            t.invoke(torch.randn(1, 8), twice, asyncpp.Slot())

@@ -197,3 +197,41 @@ def test_grad_trace_gives_gradients(mlp):
     hx = mlp[:2](x).detach().requires_grad_()
     mlp[2:](hx).sum().backward()
     assert torch.allclose(h.result, hx.grad)
+
+
+def test_whole_batch_write_of_wrong_shape_is_a_write_error(mlp):
+    async def bad(m):
+        await m[1].output.set(torch.zeros(3))
+
+    with pytest.raises(asyncpp.WriteError, match=r"1\.output: the replacement has shape \(3,\).*\(2, 8\)"):
+        with asyncpp.trace(mlp) as t:
+            t.invoke(torch.randn(2, 8), bad)
+
+
+def test_block_calling_the_models_own_modules_is_not_part_of_the_run(tiny, engine):
+    model, _ = tiny
+
+    async def lens(m):
+        h = await m.model.layers[0].output
+        normed = model.model.norm(h[:, -1])  # the block runs model modules itself
+        return model.lm_head(normed)
+
+    async def logits(m):
+        return await m.logits
+
+    with asyncpp.trace(engine) as t:
+        a = t.invoke(lens)
+        b = t.invoke("Hello", logits)
+    assert a.result.shape == (1, 259)
+    assert b.result.shape == (1, 5, 259)  # the model's own lm_head call, not the block's
+    with torch.no_grad():
+        assert torch.allclose(b.result, model(torch.tensor([[39, 68, 75, 75, 78]])).logits, atol=1e-6)
+
+
+def test_a_plain_trace_is_step_zero(mlp):
+    async def block(m):
+        return [s async for s in m.steps()]
+
+    with asyncpp.trace(mlp) as t:
+        h = t.invoke(torch.randn(1, 8), block)
+    assert h.result == [0]

@@ -30,7 +30,10 @@ def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:
 
 def widen(full: Any, new: Any, rows: tuple[int, int] | None, batch: int, where: str) -> Any:
     """Return ``full`` with the rows ``rows`` replaced by ``new`` (out of place)."""
-    if rows is None or new is full:
+    if new is full:
+        return new
+    if rows is None:
+        _check_shapes(full, new, where)
         return new
     if isinstance(full, Tensor) and full.dim() and full.shape[0] == batch:
         a, b = rows
@@ -66,6 +69,19 @@ def widen(full: Any, new: Any, rows: tuple[int, int] | None, batch: int, where: 
             f"{rows[0]}:{rows[1]} cannot replace it (invoke without input to see the whole batch)"
         )
     return full
+
+
+def _check_shapes(full: Any, new: Any, where: str) -> None:
+    """A whole-batch replacement must keep the shape of every tensor it replaces."""
+    if isinstance(full, Tensor) and isinstance(new, Tensor):
+        if full.shape != new.shape:
+            raise WriteError(
+                f"{where}: the replacement has shape {tuple(new.shape)}, the value it replaces has "
+                f"shape {tuple(full.shape)}"
+            )
+    elif isinstance(full, (tuple, list)) and isinstance(new, (tuple, list)) and len(full) == len(new):
+        for i, (f, n) in enumerate(zip(full, new)):
+            _check_shapes(f, n, f"{where}[{i}]")
 
 
 def get_item(value: Any, keys: tuple) -> Any:

@@ -175,6 +175,7 @@ class Interleaver:
         *,
         step_index: int | None = None,
         switch: Any = None,
+        slot: Any = None,
     ):
         n = len(names)
         self.names = names  # module path per module index
@@ -196,6 +197,7 @@ class Interleaver:
         self.intercept: Callable | None = None  # (block, read, step, occ) -> value | MISS
         self.publish: Callable | None = None  # (index, kind, n, value) -> None
         self.switch = switch  # the thread-local-state swap: BlockState(), enter(s), leave(s)
+        self.slot = slot  # the engine's controller slot: .kernel is swapped for .bypass in blocks
         self.finished = False
         if step_index is not None:
             self._ref(step_index)  # the root's visits begin steps, so it is always watched
@@ -231,6 +233,9 @@ class Interleaver:
         state = block.state
         if state is not None:
             self.switch.enter(state)
+        slot = self.slot
+        if slot is not None:
+            outer, slot.kernel = slot.kernel, slot.bypass
         coro = block.coro
         try:
             while True:
@@ -265,6 +270,8 @@ class Interleaver:
                 if type(value) is _Throw:
                     exc, value = value.exc, None
         finally:
+            if slot is not None:
+                slot.kernel = outer
             if state is not None:
                 self.switch.leave(state)
             self.current = prev
@@ -385,6 +392,9 @@ class Interleaver:
                     continue
             else:
                 self._unpark(block)
+                for other in items:
+                    if getattr(other, "TRAP", None) is None and hasattr(other, "close"):
+                        other.close()  # a rejected coroutine: no never-awaited warning
                 return _Throw(
                     ForeignAwaitError(f"asyncpp.gather() takes locations and slots; item {i} is {item!r}")
                 )
@@ -683,6 +693,11 @@ class Interleaver:
 
     def _order_error(self, trap: Read, step: int) -> OrderError:
         what = trap.describe()
+        if self.finished:
+            return OrderError(
+                f"{what} cannot be awaited: the run has ended (generation is over), so the model "
+                f"will not run again in this trace"
+            )
         if step < self.step:
             return OrderError(
                 f"{what} of step {step} cannot be awaited: the model is already at {self.position} "

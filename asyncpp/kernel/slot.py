@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import AsyncppError
 from .traps import SLOT
+
+
+class SlotError(AsyncppError, RuntimeError):
+    """A slot was set twice, or read before it had a value."""
+
 
 _UNSET = object()
 
@@ -32,13 +38,13 @@ class Slot:
     @property
     def value(self) -> Any:
         if self._value is _UNSET:
-            raise LookupError(f"slot {self.name!r} has no value yet: await it")
+            raise SlotError(f"slot {self.name!r} has no value yet: await it")
         return self._value
 
     def set(self, value: Any) -> None:
         """Give the slot its value and wake every block waiting on it."""
         if self._value is not _UNSET:
-            raise RuntimeError(f"slot {self.name!r} was already set")
+            raise SlotError(f"slot {self.name!r} was already set; use a new Slot per value")
         self._value = value
         waiters, self._waiters = self._waiters, []
         for kernel, block, gather, i in waiters:

@@ -2,8 +2,8 @@
 
 Built on first use against the installed torch with its own ``cpp_extension`` tooling (g++ and
 ninja), into a cache folder keyed by the torch version, the Python version and the source's hash,
-so later runs (and other processes) load it without rebuilding. ``python -m asyncpp.tls.build``
-builds it ahead of time.
+so later runs (and other processes) load it without rebuilding. ``python -m asyncpp.tls`` builds
+it ahead of time.
 """
 
 from __future__ import annotations
@@ -82,8 +82,3 @@ def _build() -> ModuleType:
         extra_cflags=["-O2"],
         verbose=bool(os.environ.get("ASYNCPP_BUILD_VERBOSE")),
     )
-
-
-if __name__ == "__main__":
-    mod = load()
-    print(f"asyncpp TLS extension ready: {mod.__file__}")

@@ -15,13 +15,26 @@ from typing import Any
 from torch import nn
 
 
+class _Bypass:
+    """Stands in for the interleaver while a block's own code runs: a block that calls one of the
+    model's modules (``model.lm_head(h)`` in a logit lens) runs it plainly, unseen by the run."""
+
+    __slots__ = ("hot", "counts")
+
+    def __init__(self, n: int):
+        self.hot: frozenset = frozenset()
+        self.counts = [0] * n  # scratch: calls made by blocks are not the run's calls
+
+
 class RunSlot:
-    """Holds the interleaver of the run in progress, read by every controller."""
+    """Holds the interleaver of the run in progress, read by every controller. While a block runs,
+    the interleaver swaps in ``bypass``."""
 
-    __slots__ = ("kernel",)
+    __slots__ = ("kernel", "bypass")
 
-    def __init__(self):
+    def __init__(self, n: int):
         self.kernel: Any = None
+        self.bypass = _Bypass(n)
 
 
 def make_controller(slot: RunSlot, index: int, forward: Callable) -> Callable:

@@ -46,9 +46,9 @@ class LocalEngine(Engine):
         if self.is_lm and isinstance(getattr(model, "lm_head", None), nn.Module):
             aliases["logits"] = "lm_head"
         self.tree, modules, self.paths = build_tree(model, aliases)
-        self._slot = RunSlot()
+        self._slot = RunSlot(len(modules))
         self._controllers = Controllers(modules, self._slot)
-        self._lock = threading.Lock()
+        self._lock = _model_lock(model)  # one run at a time per model, whichever engine
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
         weakref.finalize(self, self._thread.stop_soon).atexit = False
         self._switch: Any = _UNSET  # the thread-local-state swap, loaded at the first run
@@ -96,8 +96,9 @@ class LocalEngine(Engine):
         kernel = Interleaver(
             self.paths,
             batch_size,
-            step_index=0 if spec.generate else None,
+            step_index=0,
             switch=self.switch,
+            slot=self._slot,
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         with self._lock:
@@ -186,3 +187,14 @@ class LocalEngine(Engine):
 
 
 _engines: weakref.WeakKeyDictionary[nn.Module, LocalEngine] = weakref.WeakKeyDictionary()
+_locks: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+
+
+def _model_lock(model: nn.Module) -> threading.Lock:
+    """The lock that serializes runs on ``model`` across every engine built on it."""
+    with _locks_guard:
+        lock = _locks.get(model)
+        if lock is None:
+            lock = _locks[model] = threading.Lock()
+        return lock
