@@ -16,6 +16,7 @@ from typing import Any
 
 from .engines.base import Engine
 from .engines.local import LocalEngine
+from .engines.local.inputs import InputError
 from .kernel.errors import (
     AsyncppError,
     ForeignAwaitError,
@@ -26,7 +27,6 @@ from .kernel.errors import (
     PathError,
     WriteError,
 )
-from .engines.local.inputs import InputError
 from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location

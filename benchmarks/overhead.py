@@ -251,8 +251,13 @@ def invokes_fn(model: nn.Module, rows: list[torch.Tensor]) -> Callable[[], Any]:
     return run
 
 
-def check_reads(model: nn.Module, x: torch.Tensor) -> None:
-    """asyncpp's reads and the hooks' reads return the same tensors (and both are copies)."""
+def check_variants(model: nn.Module, x: torch.Tensor) -> None:
+    """The variants compute what they claim: asyncpp's reads and the hooks' reads return the same
+    tensors (both copies), and the forward with idle controllers returns the plain forward's output."""
+    with torch.no_grad():
+        want = model(x)
+    with idle_controllers(model, BATCH):
+        assert torch.equal(model(x), want)
     idx = read_indices(8)
     got = trace_fn(model, x, read_block, idx)()
     ref = hooks_fn(model, x, idx)()
@@ -404,7 +409,7 @@ def measure(args) -> dict[str, Any]:
         b: torch.randn(b, WIDTH, generator=torch.Generator().manual_seed(b)) for b in {BATCH, *INVOKE_COUNTS}
     }
     x = xs[BATCH]
-    check_reads(model, x)
+    check_variants(model, x)
 
     nograd = torch.no_grad
     plain = {b: Variant(f"plain forward, batch {b}", plain_fn(model, xs[b]), nograd) for b in xs}

@@ -71,8 +71,16 @@ class Controllers:
         self._entries = []
         for index, module in enumerate(modules):
             own = module.__dict__.get("forward")  # an instance-level forward someone else set
-            forward = module.forward if (index or own is not None) else _weak_forward(module)
+            if hasattr(own, "asyncpp_replaced"):  # another engine's controller, mid-run
+                own = own.asyncpp_replaced
+            if own is not None:
+                forward = own
+            elif index == 0:
+                forward = _weak_forward(module)
+            else:
+                forward = type(module).forward.__get__(module)
             ctrl = make_controller(slot, index, forward)
+            ctrl.asyncpp_replaced = own  # type: ignore[attr-defined]
             self._entries.append((module.__dict__, ctrl, own))
 
     def install(self) -> None:
