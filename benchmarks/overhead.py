@@ -603,109 +603,164 @@ def timeit_us(fn: Callable[[], Any], reps: int = 20000, batch: int = 100) -> flo
 
 
 def profile_empty_trace(model: nn.Module, x: torch.Tensor, n: int) -> None:
-    """Time the pieces of an empty sync trace, following LocalEngine._execute step by step."""
-    from asyncpp.engines.base import InvokeOutcome, RunOutcome
-    from asyncpp.kernel.batching import narrow
-    from asyncpp.kernel.interleaver import Interleaver
+    """Time the pieces of real empty sync traces: the engine's steps are wrapped with timers in
+    place (instance attributes and the engine module's Interleaver name, restored after), so this
+    follows whatever LocalEngine._execute does; the rest of a run is reported as one remainder."""
+    from asyncpp.engines.local import engine as engine_mod
 
     engine = asyncpp.LocalEngine.for_model(model)
-    names = [
-        "asyncpp.trace(model): engine lookup, Trace, RunSpec",
-        "t.invoke(x, block): checks, handle, InvokeSpec",
-        "engine._prepare: input batch, call closure",
-        "Interleaver(...)",
-        "RunOutcome / InvokeOutcome",
-        "lock + Controllers.install",
-        "kernel.active() + set_grad_enabled: enter",
-        "kernel.start: coroutine created, run, result detached",
-        "kernel.serve",
-        "forward with the controllers",
-        "kernel.finish",
-        "kernel.active() + set_grad_enabled: exit",
-        "Controllers.remove + lock release",
-        "outcome + Trace._settle",
-    ]
-    samples: list[list[int]] = [[] for _ in names]
-    totals: list[int] = []
-    plain_s: list[int] = []
+    cur: dict[str, int] = {}
+    calls = [0]
 
-    def once() -> list[int]:
-        ts = [perf()]
-        t = asyncpp.trace(model)
-        ts.append(perf())
-        t.invoke(x, empty_block)
-        ts.append(perf())
-        spec = t._spec
-        call, rows, batch_size, _ = engine._prepare(spec)
-        ts.append(perf())
-        kernel = Interleaver(
-            engine.paths, batch_size, step_index=None, switch=getattr(engine, "switch", None)
-        )
-        ts.append(perf())
-        outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
-        ts.append(perf())
-        with engine._lock:
-            engine._slot.kernel = kernel
-            engine._controllers.install()
-            ts.append(perf())
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            t0 = perf()
             try:
-                with kernel.active(), torch.set_grad_enabled(spec.grad):
-                    ts.append(perf())
-                    for order, inv in enumerate(spec.invokes):
-                        kernel.start(
-                            inv.block(engine.tree, *inv.args, **inv.kwargs), order, rows[order], inv.name
-                        )
-                    ts.append(perf())
-                    kernel.serve()
-                    ts.append(perf())
-                    out = call()
-                    ts.append(perf())
-                    kernel.finish()
-                    ts.append(perf())
-                ts.append(perf())
+                return fn(*args, **kwargs)
             finally:
-                engine._controllers.remove()
-                engine._slot.kernel = None
-        ts.append(perf())
-        outcome.output = out
-        for order, block in enumerate(kernel.blocks):
-            o = outcome.invokes[order]
-            o.result, o.error = block.result, block.error
-            o.output = narrow(out, rows[order], batch_size)
-        t._ran = True
-        t._settle(outcome)
-        ts.append(perf())
-        return ts
+                cur[name] = cur.get(name, 0) + perf() - t0
 
-    fwd = plain_fn(model, x)
-    full = trace_fn(model, x, empty_block)
-    for _ in range(300):
-        once()
-        full()
-    for _ in range(n):
-        ts = once()
-        for i in range(len(names)):
-            samples[i].append(ts[i + 1] - ts[i])
+        return wrapper
+
+    real_interleaver = engine_mod.Interleaver
+
+    def interleaver(*args, **kwargs):
+        t0 = perf()
+        kernel = real_interleaver(*args, **kwargs)
+        cur["Interleaver(...)"] = perf() - t0
+        for name in ("start", "serve", "finish"):
+            if hasattr(kernel, name):
+                setattr(kernel, name, timed(f"kernel.{name}", getattr(kernel, name)))
+        return kernel
+
+    real_prepare = engine._prepare
+
+    def prepare(spec):
+        t0 = perf()
+        call, *rest = real_prepare(spec)
+        cur["engine._prepare"] = perf() - t0
+        return (timed("forward (with the controllers)", call), *rest)
+
+    class Switch:  # times the TLS extension's calls (they happen inside kernel.start and reads)
+        def __init__(self, real):
+            self.BlockState = timed("TLS BlockState()", real.BlockState)
+            self.enter = timed("TLS enter + leave", real.enter)
+            self.leave = timed("TLS enter + leave", real.leave)
+
+    bare, bare_plain = [], []
+    full, fwd = trace_fn(model, x, empty_block), plain_fn(model, x)
+    for i in range(n + 300):
         t0 = perf()
         full()
-        totals.append(perf() - t0)
+        t1 = perf()
         with torch.no_grad():
-            t0 = perf()
             fwd()
-            plain_s.append(perf() - t0)
+        t2 = perf()
+        if i >= 300:
+            bare.append(t1 - t0)
+            bare_plain.append(t2 - t1)
+    uninstrumented = (median(bare) - median(bare_plain)) / 1000
+
+    ctl = engine._controllers
+    restore: list[Callable[[], None]] = []
+    switch = getattr(engine, "switch", None)
+    try:
+        engine_mod.Interleaver = interleaver
+        restore.append(lambda: setattr(engine_mod, "Interleaver", real_interleaver))
+        engine._prepare = prepare
+        restore.append(lambda: engine.__dict__.pop("_prepare", None))
+        for name in ("install", "remove"):
+            setattr(ctl, name, timed(f"Controllers.{name}", getattr(ctl, name)))
+            restore.append(lambda name=name: ctl.__dict__.pop(name, None))
+        if switch is not None and hasattr(engine, "_switch"):
+            engine._switch = Switch(switch)
+            restore.append(lambda: setattr(engine, "_switch", switch))
+
+        def once() -> None:
+            cur.clear()
+            calls[0] = 0
+            t0 = perf()
+            t = asyncpp.trace(model)
+            t1 = perf()
+            t.invoke(x, empty_block)
+            t2 = perf()
+            t.__enter__()
+            t.__exit__(None, None, None)
+            t3 = perf()
+            cur["asyncpp.trace(model)"] = t1 - t0
+            cur["t.invoke(x, block)"] = t2 - t1
+            cur["total"] = t3 - t0
+            cur["timed calls"] = calls[0]
+
+        samples: dict[str, list[int]] = {}
+        plain_s: list[int] = []
+        for _ in range(300):
+            once()
+        for _ in range(n):
+            once()
+            for k, v in cur.items():
+                samples.setdefault(k, []).append(v)
+            with torch.no_grad():
+                t0 = perf()
+                fwd()
+                plain_s.append(perf() - t0)
+    finally:
+        for undo in reversed(restore):
+            undo()
+
     pm = median(plain_s) / 1000
+    inner = {"TLS BlockState()", "TLS enter + leave", "timed calls"}
+    order = [
+        "asyncpp.trace(model)",
+        "t.invoke(x, block)",
+        "engine._prepare",
+        "Interleaver(...)",
+        "Controllers.install",
+        "kernel.start",
+        "TLS BlockState()",
+        "TLS enter + leave",
+        "kernel.serve",
+        "forward (with the controllers)",
+        "kernel.finish",
+        "Controllers.remove",
+    ]
     rows = []
     acc = 0.0
-    for name, s in zip(names, samples, strict=True):
-        m = median(s) / 1000
+    rest = []
+    for i in range(n):
+        r = samples["total"][i] - sum(samples[k][i] for k in samples if k != "total" and k not in inner)
+        rest.append(r)
+    for name in order:
+        if name not in samples:
+            continue
+        m = median(samples[name]) / 1000
         if name.startswith("forward"):
-            rows.append([name, f"{m - pm:+.1f}", f"{m:.1f} in all, plain forward {pm:.1f}"])
+            rows.append([name, f"{m - pm:+.1f}", f"{m:.1f} in all; plain forward {pm:.1f}"])
             acc += m - pm
+        elif name in inner:
+            rows.append([f"  {name}", f"({m:.1f})", "inside the rows around it, not added"])
         else:
             rows.append([name, f"{m:.1f}", ""])
             acc += m
-    rows.append(["**sum of the pieces**", f"{acc:.1f}", "each piece includes ~0.1 us of timer"])
-    rows.append(["**measured: empty trace - plain forward**", f"{median(totals) / 1000 - pm:.1f}", ""])
+    ncalls = median(samples["timed calls"])
+    other = median(rest) / 1000
+    acc += other
+    rows.append(
+        [
+            "the rest: lock, contexts, outcome, settle, timers",
+            f"{other:.1f}",
+            f"total - the pieces; holds most of the cost of the {ncalls:.0f} timed calls",
+        ]
+    )
+    rows.append(["**sum of the rows** (trace - plain, timed)", f"{acc:.1f}", ""])
+    rows.append(
+        [
+            "**trace - plain without the timers**",
+            f"{uninstrumented:.1f}",
+            f"so the timers add ~{acc - uninstrumented:.0f} us in all",
+        ]
+    )
     print("\n### Profile: the pieces of an empty sync trace (median us, timed in place)\n")
     print(md_table(["piece", "us", "note"], rows))
 
