@@ -11,7 +11,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/AutogradState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/extension.h>
+#include "asyncpp_native.h"
 
 #include <array>
 #include <cstdint>
@@ -78,6 +78,7 @@ struct BlockState {
   uint64_t captures = 0;      // leaves where the block had changed its state
 
   BlockState() : state(), nesting(autocast_nesting()), fp(fingerprint()) {}
+  BlockState(const at::ThreadLocalState& s, int n, const Fingerprint& f) : state(s), nesting(n), fp(f) {}
 };
 
 // Switch into a block: install its state on the calling thread.
@@ -128,12 +129,22 @@ void leave(BlockState& b) {
   set_autocast_nesting(previous_nesting);
 }
 
+BlockState* fork_state(const BlockState& tmpl) {
+  // A new block's state: a copy of ``tmpl`` when the thread still has that state (the common case:
+  // every block of a run starts from the same forward state), else a fresh capture.
+  if (fingerprint() == tmpl.fp && autocast_nesting() == tmpl.nesting) {
+    return new BlockState(tmpl.state, tmpl.nesting, tmpl.fp);
+  }
+  return new BlockState();
+}
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "asyncpp: swap torch's thread-local state at every switch between a block and the forward";
+void asyncpp::register_tls(pybind11::module_& m) {
   pybind11::class_<BlockState>(m, "BlockState")
       .def(pybind11::init<>(), "Capture the calling thread's state as a new block's initial state.")
+      .def("fork", &fork_state, pybind11::return_value_policy::take_ownership,
+           "A new block state equal to this one if the thread still has it, else a fresh capture.")
       .def_readonly("slow_entries", &BlockState::slow_entries)
       .def_readonly("captures", &BlockState::captures)
       .def_readonly("inside", &BlockState::inside);

@@ -92,18 +92,10 @@ class Block:
         return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-class _Wait:
-    """One parked wait on a module location (a read, a write, or one item of a gather)."""
-
-    __slots__ = ("block", "trap", "step", "occ", "gather", "slot")
-
-    def __init__(self, block: Block, trap, step: int, occ: int, gather=None, slot: int = 0):
-        self.block = block
-        self.trap = trap
-        self.step = step
-        self.occ = occ
-        self.gather = gather
-        self.slot = slot
+# A parked wait on a module location is a tuple (cheaper than an object on the hot path):
+# (invoke order, block, trap, step, call number, gather state or None, index in the gather)
+def _order_of(w: tuple) -> int:
+    return w[0]
 
 
 class _GatherState:
@@ -182,7 +174,7 @@ class Interleaver:
         self.batch_size = batch_size
         self.counts = [0] * n  # completed visits per module in the current step
         self.seen_in = [-1] * n  # visit number whose input stage was served, per hot module
-        self.waits: dict[int, list[_Wait]] = {}  # key index*4+kind -> parked waits, invoke order
+        self.waits: dict[int, list[tuple]] = {}  # key index*4+kind -> parked waits, invoke order
         self.hot: set[int] = set()  # modules some block waits on: the controllers' one lookup
         self._hot_refs = [0] * n
         self.ready: deque = deque()  # (block, value, is_error) woken outside a visit's own loop
@@ -193,11 +185,14 @@ class Interleaver:
         self.steps_begun = 0
         self.step_index = step_index  # module whose visits begin steps (the root), or None
         self._gates: list[tuple[Block, Any, int]] = []  # (block, gate, target step)
-        self.position = "the start of the run"  # where the model is, for order errors
+        self.position: Any = "the start of the run"  # where the model is: a str or (index, kind, n)
         self.intercept: Callable | None = None  # (block, read, step, occ) -> value | MISS
         self.publish: Callable | None = None  # (index, kind, n, value) -> None
         self.switch = switch  # the thread-local-state swap: BlockState(), enter(s), leave(s)
-        self.slot = slot  # the engine's controller slot: .kernel is swapped for .bypass in blocks
+        self._enter = switch.enter if switch is not None else None
+        self._leave = switch.leave if switch is not None else None
+        self._template = None  # the state blocks started at this run's start share
+        self.slot = slot  # the engine's controller slot: .bypass is set while a block's code runs
         self.finished = False
         if step_index is not None:
             self._ref(step_index)  # the root's visits begin steps, so it is always watched
@@ -221,7 +216,9 @@ class Interleaver:
         block.step = self.step
         self.blocks.append(block)
         if self.switch is not None:
-            block.state = self.switch.BlockState()  # the thread's state right now
+            if self._template is None:
+                self._template = self.switch.BlockState()
+            block.state = self._template.fork()  # the thread's state right now (a copy if unchanged)
         self._resume(block, None, None)
         return block
 
@@ -232,10 +229,11 @@ class Interleaver:
         block.waiting = None
         state = block.state
         if state is not None:
-            self.switch.enter(state)
+            self._enter(state)
         slot = self.slot
         if slot is not None:
-            outer, slot.kernel = slot.kernel, slot.bypass
+            outer_bypass = slot.bypass
+            slot.bypass = True
         coro = block.coro
         try:
             while True:
@@ -271,9 +269,9 @@ class Interleaver:
                     exc, value = value.exc, None
         finally:
             if slot is not None:
-                slot.kernel = outer
+                slot.bypass = outer_bypass
             if state is not None:
-                self.switch.leave(state)
+                self._leave(state)
             self.current = prev
 
     def wake(self, block: Block, value: Any, gather: _GatherState | None = None, slot: int = 0) -> None:
@@ -304,25 +302,30 @@ class Interleaver:
     # ----------------------------------------------------------------------------------------
     # trap handlers: each returns a value to send back, a _Throw, or PARKED
 
-    def _on_read(self, block: Block, trap: Read, gather: _GatherState | None = None, slot: int = 0):
-        occ = trap.occ or 0
+    def _on_read(self, block: Block, trap: Read, gather: _GatherState | None = None, gi: int = 0):
+        occ = trap.occ
+        index = trap.index
         step = block.step
         v = self.serving
         if (
             v is not None
-            and v.index == trap.index
+            and v.index == index
             and v.n == occ
             and step == self.step
-            and v.stage == _stage(trap.kind)
+            and v.stage == (OUTPUT if trap.kind == OUTPUT else INPUT)
         ):
             return self._read_value(block, v, trap)  # a location of the visit being served
         if self.intercept is not None:
             got = self.intercept(block, trap, step, occ)
             if got is not MISS:
                 return got
-        if self._passed(trap.index, trap.kind, step, occ):
+        if step == self.step:
+            count = self.counts[index]
+            if occ < count or (occ == count and trap.kind != OUTPUT and self.seen_in[index] == occ):
+                return _Throw(self._order_error(trap, step))
+        elif step < self.step:
             return _Throw(self._order_error(trap, step))
-        self._park(block, trap, step, occ, gather, slot)
+        self._park(block, trap, trap.key, index, step, occ, gather, gi)
         return PARKED
 
     def _on_write(self, block: Block, write):
@@ -331,7 +334,7 @@ class Interleaver:
         except ValueError:
             pass
         target = write.target
-        occ = target.occ or 0
+        occ = target.occ
         step = block.step
         v = self.serving
         if (
@@ -352,7 +355,7 @@ class Interleaver:
                 return got
         if self._passed(target.index, target.kind, step, occ):
             return _Throw(self._order_error(target, step))
-        self._park(block, write, step, occ)
+        self._park(block, write, target.key, target.index, step, occ)
         return PARKED
 
     def _on_slot(self, block: Block, slot):
@@ -406,20 +409,24 @@ class Interleaver:
     # ----------------------------------------------------------------------------------------
     # parking
 
-    def _park(self, block: Block, trap, step: int, occ: int, gather=None, slot: int = 0) -> None:
-        target = trap if trap.TRAP == READ else trap.target
-        index = target.index
-        key = index * 4 + target.kind
-        w = _Wait(block, trap, step, occ, gather, slot)
+    def _park(self, block: Block, trap, key: int, index: int, step: int, occ: int, gather=None, gi: int = 0):
+        w = (block.order, block, trap, step, occ, gather, gi)
         lst = self.waits.get(key)
         if lst is None:
             self.waits[key] = [w]
         else:
             lst.append(w)
-            if len(lst) > 1 and lst[-2].block.order > block.order:
-                lst.sort(key=lambda x: x.block.order)
-        block.records.append((key, w))
-        self._ref(index)
+            if lst[-2][0] > block.order:
+                lst.sort(key=_order_of)
+        if gather is None:
+            block.records = [(key, w)]
+        else:
+            block.records.append((key, w))
+        refs = self._hot_refs
+        r = refs[index]
+        refs[index] = r + 1
+        if not r:
+            self.hot.add(index)
 
     def _unpark(self, block: Block) -> None:
         """Remove every wait of ``block`` (all items of a gather, say) from the wait lists."""
@@ -474,21 +481,32 @@ class Interleaver:
             v = _Visit(index, n, INPUT, args, kwargs)
             self._serve_visit(v, (INPUT, INPUTS, SKIP))
             args, kwargs, skip = v.args, v.kwargs, v.skip
-        else:
-            skip = _NOTHING
-        out = forward(*args, **kwargs) if skip is _NOTHING else skip
-        return self.visit_output(index, out)
+            if skip is not _NOTHING:
+                return self.visit_output(index, skip)
+        return self.visit_output(index, forward(*args, **kwargs))
 
     def visit_output(self, index: int, out: Any) -> Any:
-        """Finish a call of module ``index``: serve its output waits, count the call."""
-        n = self.counts[index]
-        self.counts[index] = n + 1
-        if index * 4 + 2 in self.waits:
-            v = _Visit(index, n, OUTPUT, out=out)
-            self._serve_visit(v, (OUTPUT,))
-            return v.out
-        self.position = self.names[index] + ".output"
-        return out
+        """Finish a call of module ``index``: count it, serve its output waits."""
+        counts = self.counts
+        n = counts[index]
+        counts[index] = n + 1
+        key = index * 4 + 2
+        lst = self.waits.get(key)
+        if lst is None:
+            self.position = (index, OUTPUT, n)
+            return out
+        v = _Visit(index, n, OUTPUT, out=out)
+        prev, self.serving = self.serving, v
+        self.position = (index, OUTPUT, n)
+        try:
+            self._serve_waits(v, OUTPUT, key, lst)
+            if self.ready:
+                self.serve()
+        finally:
+            self.serving = prev
+        if self.publish is not None:
+            self.publish(index, OUTPUT, n, v.out)
+        return v.out
 
     def _serve_visit(self, v: _Visit, kinds: tuple) -> None:
         prev, self.serving = self.serving, v
@@ -497,33 +515,45 @@ class Interleaver:
             for kind in kinds:
                 lst = self.waits.get(base + kind)
                 if lst:
-                    self.position = self._name(v.index, kind) + (f" (call {v.n})" if v.n else "")
+                    self.position = (v.index, kind, v.n)
                     self._serve_waits(v, kind, base + kind, lst)
-            self.serve()
+            if self.ready:
+                self.serve()
         finally:
             self.serving = prev
         if self.publish is not None:
             for kind in kinds:
                 self.publish(v.index, kind, v.n, v.get(kind))
 
-    def _serve_waits(self, v: _Visit, kind: int, key: int, lst: list[_Wait]) -> None:
+    def _serve_waits(self, v: _Visit, kind: int, key: int, lst: list) -> None:
         step, n = self.step, v.n
-        due = [w for w in lst if w.occ == n and w.step == step]
+        due = [w for w in lst if w[4] == n and w[3] == step]
         if not due:
             return
-        for w in due:
-            if w.gather is None:
-                self._unpark(w.block)
-        for w in due:
-            block = w.block
+        if len(due) == len(lst):
+            del self.waits[key]
+        else:
+            self.waits[key] = [w for w in lst if not (w[4] == n and w[3] == step)]
+        index = v.index
+        refs = self._hot_refs
+        r = refs[index] - len(due)
+        refs[index] = r
+        if not r:
+            self.hot.discard(index)
+        for _, block, trap, _, _, gather, gi in due:
             if block.done:
                 continue
-            trap = w.trap
-            if w.gather is not None:
-                self._drop(key, w)
-                block.records = [r for r in block.records if r[1] is not w]
-                self.wake(block, self._read_value(block, v, trap), w.gather, w.slot)
+            if gather is not None:
+                block.records = [rec for rec in block.records if rec[0] != key or rec[1][2] is not trap]
+                try:
+                    value = self._read_value(block, v, trap)
+                except Exception as err:
+                    self._unpark(block)
+                    self._resume(block, None, err)
+                    continue
+                self.wake(block, value, gather, gi)
                 continue
+            block.records = []
             if trap.TRAP == WRITE:
                 try:
                     self._apply_write(block, v, trap)
@@ -539,16 +569,10 @@ class Interleaver:
                     continue
                 self._resume(block, value, None)
 
-    def _drop(self, key: int, w: _Wait) -> None:
-        lst = self.waits.get(key)
-        if lst is not None and w in lst:
-            lst.remove(w)
-            if not lst:
-                del self.waits[key]
-            self._unref(key >> 2)
-
     def _read_value(self, block: Block, v: _Visit, trap: Read) -> Any:
-        value = batching.narrow(v.get(trap.kind), block.rows, self.batch_size)
+        value = v.out if trap.kind == OUTPUT else v.get(trap.kind)
+        if block.rows is not None:
+            value = batching.narrow(value, block.rows, self.batch_size)
         if trap.keys:
             value = batching.get_item(value, trap.keys)
         return value
@@ -576,9 +600,9 @@ class Interleaver:
         if self.steps_begun:
             self.step += 1
             n = len(self.counts)
-            self.counts = [0] * n
+            self.counts[:] = [0] * n  # in place: the controllers hold this list
             self.seen_in = [-1] * n
-            self._expire(lambda w: w.step < self.step)
+            self._expire(lambda w: w[3] < self.step)
         self.steps_begun += 1
         self.position = f"the start of step {self.step}"
         gates, self._gates = self._gates, []
@@ -595,13 +619,13 @@ class Interleaver:
                 self._resume(block, target, None)
         self.serve()
 
-    def _expire(self, stale: Callable[[_Wait], bool]) -> None:
+    def _expire(self, stale: Callable[[tuple], bool]) -> None:
         """Throw a never-reached error into each block parked on a stale wait."""
-        hit: dict[int, tuple[Block, _Wait]] = {}
+        hit: dict[int, tuple[Block, tuple]] = {}
         for lst in self.waits.values():
             for w in lst:
-                if stale(w) and id(w.block) not in hit:
-                    hit[id(w.block)] = (w.block, w)
+                if stale(w) and id(w[1]) not in hit:
+                    hit[id(w[1])] = (w[1], w)
         for block, w in sorted(hit.values(), key=lambda e: e[0].order):
             if block.done:
                 continue
@@ -691,6 +715,13 @@ class Interleaver:
         path = self.names[index]
         return f"{path}.{KIND_NAMES[kind]}" if path else KIND_NAMES[kind]
 
+    def _where(self) -> str:
+        pos = self.position
+        if isinstance(pos, str):
+            return pos
+        index, kind, n = pos
+        return self._name(index, kind) + (f" (call {n})" if n else "")
+
     def _order_error(self, trap: Read, step: int) -> OrderError:
         what = trap.describe()
         if self.finished:
@@ -700,19 +731,19 @@ class Interleaver:
             )
         if step < self.step:
             return OrderError(
-                f"{what} of step {step} cannot be awaited: the model is already at {self.position} "
+                f"{what} of step {step} cannot be awaited: the model is already at {self._where()} "
                 f"(step {self.step})"
             )
         return OrderError(
-            f"{what} has already passed in this run: the model is at {self.position}. Await "
+            f"{what} has already passed in this run: the model is at {self._where()}. Await "
             f"locations in the order the model runs them, or use asyncpp.gather(...) to wait on "
             f"several at once"
         )
 
-    def _never_reached(self, w: _Wait) -> NeverReachedError:
-        trap = w.trap if w.trap.TRAP == READ else w.trap.target
+    def _never_reached(self, w: tuple) -> NeverReachedError:
+        trap = w[2] if w[2].TRAP == READ else w[2].target
         return NeverReachedError(
-            f"{trap.describe()} was never reached in step {w.step}: the model ran that step to the "
+            f"{trap.describe()} was never reached in step {w[3]}: the model ran that step to the "
             f"end without calling it (or not that many times)"
         )
 

@@ -26,19 +26,20 @@ READ, WRITE, STEP, SLOT, GATHER = range(5)
 class Read:
     """Wait for a module location and receive its value (narrowed to the block's rows).
 
-    ``occ`` is the call number within the block's current step (``None`` means 0); ``keys`` index
-    into the value (an element of a tuple output).
+    ``occ`` is the call number within the block's current step; ``keys`` index into the value (an
+    element of a tuple output); ``key`` is the wait key ``index * 4 + kind``.
     """
 
     TRAP = READ
-    __slots__ = ("index", "kind", "occ", "keys", "path")
+    __slots__ = ("index", "kind", "occ", "keys", "path", "key")
 
-    def __init__(self, index: int, kind: int, path: str, occ: int | None = None, keys: tuple = ()):
+    def __init__(self, index: int, kind: int, path: str, occ: int = 0, keys: tuple = ()):
         self.index = index
         self.kind = kind
         self.path = path
         self.occ = occ
         self.keys = keys
+        self.key = index * 4 + kind
 
     def __await__(self):
         return (yield self)

@@ -1,55 +1,71 @@
 """Per-module controllers: the hot path of a local run.
 
 During a run every module's ``forward`` is shadowed by a controller (an instance attribute, so the
-module's own ``__call__`` wrappers still run). A call of a module nobody waits on costs one set
-lookup before and after the call and a counter bump; a call some block waits on goes to the interleaver's ``visit``. Between
-runs the controllers are removed: the model carries no asyncpp state.
+module's own ``__call__`` wrappers still run). A call of a module nobody waits on costs a set lookup
+before and after the call and a counter bump; a call some block waits on goes to the interleaver's
+``visit``. Between runs the controllers are removed: the model carries no asyncpp state.
+
+The controllers are native (csrc/controller.cpp) when the extension is available; the Python ones
+here do the same, slower, when it is switched off (``ASYNCPP_TLS_SWAP=0``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
-
-class _Bypass:
-    """Stands in for the interleaver while a block's own code runs: a block that calls one of the
-    model's modules (``model.lm_head(h)`` in a logit lens) runs it plainly, unseen by the run."""
-
-    __slots__ = ("hot", "counts")
-
-    def __init__(self, n: int):
-        self.hot: frozenset = frozenset()
-        self.counts = [0] * n  # scratch: calls made by blocks are not the run's calls
+from ...native import enabled, load
 
 
-class RunSlot:
-    """Holds the interleaver of the run in progress, read by every controller. While a block runs,
-    the interleaver swaps in ``bypass``."""
+class PyRunSlot:
+    """The run a model's controllers serve (the Python twin of the native ``RunSlot``)."""
 
-    __slots__ = ("kernel", "bypass")
+    __slots__ = ("kernel", "hot", "counts", "bypass")
 
-    def __init__(self, n: int):
+    def __init__(self):
         self.kernel: Any = None
-        self.bypass = _Bypass(n)
+        self.hot: set = set()
+        self.counts: list = []
+        self.bypass = False
+
+    def activate(self, kernel: Any, hot: set, counts: list) -> None:
+        self.kernel, self.hot, self.counts, self.bypass = kernel, hot, counts, False
+
+    def deactivate(self) -> None:
+        self.kernel, self.bypass = None, False
 
 
-def make_controller(slot: RunSlot, index: int, forward: Callable) -> Callable:
+def py_controller(slot: PyRunSlot, index: int, forward: Callable, replaced: Any) -> Callable:
     def controller(*args, **kwargs):
         kernel = slot.kernel
-        if index in kernel.hot:
+        if kernel is None or slot.bypass:
+            return forward(*args, **kwargs)
+        if index in slot.hot:
             return kernel.visit(index, forward, args, kwargs)
         out = forward(*args, **kwargs)
-        if index in kernel.hot:  # a block started waiting on this call's output while it ran
+        if index in slot.hot:  # a block started waiting on this call's output while it ran
             return kernel.visit_output(index, out)
-        kernel.counts[index] += 1
+        slot.counts[index] += 1
         return out
 
     controller.__wrapped__ = forward  # type: ignore[attr-defined]
+    controller.asyncpp_replaced = replaced  # type: ignore[attr-defined]
     return controller
+
+
+def _py_install(entries: list) -> None:
+    for d, ctrl, _ in entries:
+        d["forward"] = ctrl
+
+
+def _py_remove(entries: list) -> None:
+    for d, _, own in entries:
+        if own is None:
+            d.pop("forward", None)
+        else:
+            d["forward"] = own
 
 
 def _weak_forward(module: nn.Module) -> Callable:
@@ -65,10 +81,17 @@ def _weak_forward(module: nn.Module) -> Callable:
 
 
 class Controllers:
-    """The controllers of one model, installed for a run and removed after it."""
+    """The controllers of one model and their shared slot, installed for a run and removed after."""
 
-    def __init__(self, modules: list[nn.Module], slot: RunSlot):
-        self._entries = []
+    def __init__(self, modules: list[nn.Module]):
+        native = load() if enabled() else None
+        if native is not None:
+            self.slot = native.RunSlot()
+            make, self._install, self._remove = native.Controller, native.install, native.remove
+        else:
+            self.slot = PyRunSlot()
+            make, self._install, self._remove = py_controller, _py_install, _py_remove
+        self._entries: list = []
         for index, module in enumerate(modules):
             own = module.__dict__.get("forward")  # an instance-level forward someone else set
             if hasattr(own, "asyncpp_replaced"):  # another engine's controller, mid-run
@@ -79,17 +102,12 @@ class Controllers:
                 forward = _weak_forward(module)
             else:
                 forward = type(module).forward.__get__(module)
-            ctrl = make_controller(slot, index, forward)
-            ctrl.asyncpp_replaced = own  # type: ignore[attr-defined]
-            self._entries.append((module.__dict__, ctrl, own))
+            self._entries.append((module.__dict__, make(self.slot, index, forward, own), own))
 
-    def install(self) -> None:
-        for d, ctrl, _ in self._entries:
-            d["forward"] = ctrl
+    def install(self, kernel: Any) -> None:
+        self.slot.activate(kernel, kernel.hot, kernel.counts)
+        self._install(self._entries)
 
     def remove(self) -> None:
-        for d, _, own in self._entries:
-            if own is None:
-                d.pop("forward", None)
-            else:
-                d["forward"] = own
+        self._remove(self._entries)
+        self.slot.deactivate()

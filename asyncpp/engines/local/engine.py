@@ -20,7 +20,7 @@ from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree
 from ...trace.bridge import ModelThread, run_on_thread
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
-from .controllers import Controllers, RunSlot
+from .controllers import Controllers
 from .inputs import InputError, lm_batch, tensor_batch, token_rows
 
 _UNSET = object()
@@ -46,8 +46,7 @@ class LocalEngine(Engine):
         if self.is_lm and isinstance(getattr(model, "lm_head", None), nn.Module):
             aliases["logits"] = "lm_head"
         self.tree, modules, self.paths = build_tree(model, aliases)
-        self._slot = RunSlot(len(modules))
-        self._controllers = Controllers(modules, self._slot)
+        self._controllers = Controllers(modules)  # builds the native extension on first use
         self._lock = _model_lock(model)  # one run at a time per model, whichever engine
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
         weakref.finalize(self, self._thread.stop_soon).atexit = False
@@ -98,12 +97,11 @@ class LocalEngine(Engine):
             batch_size,
             step_index=0,
             switch=self.switch,
-            slot=self._slot,
+            slot=self._controllers.slot,
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         with self._lock:
-            self._slot.kernel = kernel
-            self._controllers.install()
+            self._controllers.install(kernel)
             try:
                 with kernel.active(), torch.set_grad_enabled(spec.grad):
                     for order, inv in enumerate(spec.invokes):
@@ -122,7 +120,6 @@ class LocalEngine(Engine):
                         kernel.close_all()
             finally:
                 self._controllers.remove()
-                self._slot.kernel = None
         outcome.output = out
         for order, block in enumerate(kernel.blocks):
             o = outcome.invokes[order]

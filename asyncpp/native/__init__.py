@@ -1,9 +1,11 @@
-"""Building and loading the C++ thread-local-state extension (csrc/tls_swap.cpp).
+"""Building and loading asyncpp's native extension (csrc/): the thread-local-state swap and the
+per-module controllers.
 
 Built on first use against the installed torch with its own ``cpp_extension`` tooling (g++ and
 ninja), into a cache folder keyed by the torch version, the Python version and the source's hash,
-so later runs (and other processes) load it without rebuilding. ``python -m asyncpp.tls`` builds
-it ahead of time.
+so later runs (and other processes) load it without rebuilding. ``python -m asyncpp.native``
+builds it ahead of time. With ``ASYNCPP_TLS_SWAP=0`` nothing is built: the swap is off and the
+controllers are pure Python (slower; see docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from types import ModuleType
 
 from ..kernel.errors import AsyncppError
 
-SOURCE = Path(__file__).resolve().parent.parent.parent / "csrc" / "tls_swap.cpp"
+CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
+SOURCES = ("module.cpp", "tls_swap.cpp", "controller.cpp")
 ENV_SWITCH = "ASYNCPP_TLS_SWAP"
 
 _lock = threading.Lock()
@@ -26,7 +29,12 @@ _error: BaseException | None = None
 
 
 class TLSBuildError(AsyncppError, RuntimeError):
-    """The thread-local-state extension could not be built or loaded."""
+    """The native extension (thread-local-state swap, controllers) could not be built or loaded."""
+
+
+def enabled() -> bool:
+    """Whether the native extension is used (``ASYNCPP_TLS_SWAP`` is not 0/false/off/no)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def build_dir() -> Path:
@@ -52,8 +60,8 @@ def load() -> ModuleType:
             _module = _build()
         except Exception as err:
             _error = TLSBuildError(
-                "asyncpp could not build its torch thread-local-state extension "
-                f"({SOURCE.name}): {type(err).__name__}: {str(err).strip()[-1500:]}\n"
+                "asyncpp could not build its native extension (csrc/: the torch thread-local-state "
+                f"swap and the module controllers): {type(err).__name__}: {str(err).strip()[-1500:]}\n"
                 "It needs a C++ compiler (g++), the Python headers (python3-dev) and ninja "
                 "(`pip install ninja`). To run without it, set the environment variable "
                 f"{ENV_SWITCH}=0: blocks then share torch's thread-local state (grad mode, "
@@ -67,17 +75,23 @@ def load() -> ModuleType:
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
-    if not SOURCE.exists():
-        raise FileNotFoundError(f"{SOURCE} is missing (asyncpp must be installed from its source tree)")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    paths = [CSRC / name for name in SOURCES]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"{missing} missing (asyncpp must be installed from its source tree)")
+    h = hashlib.sha256()
+    for p in sorted(CSRC.iterdir()):
+        if p.suffix in (".cpp", ".h"):
+            h.update(p.name.encode() + p.read_bytes())
+    digest = h.hexdigest()[:10]
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     venv_bin = str(Path(sys.executable).parent)
     if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")  # ninja lives here
     return cpp_extension.load(
-        name=f"asyncpp_tls_{digest}",
-        sources=[str(SOURCE)],
+        name=f"asyncpp_native_{digest}",
+        sources=[str(p) for p in paths],
         build_directory=str(out),
         extra_cflags=["-O2"],
         verbose=bool(os.environ.get("ASYNCPP_BUILD_VERBOSE")),

@@ -1,0 +1,14 @@
+// asyncpp's native extension: the pieces of the hot path that Python cannot make cheap enough.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace asyncpp {
+
+// Torch thread-local-state swap at every switch between a block and the forward (tls_swap.cpp).
+void register_tls(pybind11::module_& m);
+
+// Per-module controllers that shadow each module's forward during a run (controller.cpp).
+void register_controllers(pybind11::module_& m);
+
+}  // namespace asyncpp

@@ -1,0 +1,8 @@
+// The extension module: one build holding every native piece of asyncpp.
+#include "asyncpp_native.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "asyncpp native pieces: thread-local-state swap and per-module controllers";
+  asyncpp::register_tls(m);
+  asyncpp::register_controllers(m);
+}
