@@ -202,14 +202,12 @@ def idle_controllers(model: nn.Module, batch: int):
 
     engine = asyncpp.LocalEngine.for_model(model)
     kernel = Interleaver(engine.paths, batch)
-    engine._slot.kernel = kernel
-    engine._controllers.install()
+    engine._controllers.install(kernel)
     try:
         with kernel.active(), torch.no_grad():
             yield
     finally:
         engine._controllers.remove()
-        engine._slot.kernel = None
 
 
 def trace_fn(model: nn.Module, x: torch.Tensor, block, *args) -> Callable[[], Any]:

@@ -8,6 +8,11 @@ namespace asyncpp {
 // Torch thread-local-state swap at every switch between a block and the forward (tls_swap.cpp).
 void register_tls(pybind11::module_& m);
 
+// Install / save a block's torch state on the calling thread (tls_swap.cpp); -1 with a Python
+// error set on failure. ``state`` is a BlockState object.
+int tls_enter(PyObject* state);
+int tls_leave(PyObject* state);
+
 // Per-module controllers that shadow each module's forward during a run (controller.cpp).
 void register_controllers(pybind11::module_& m);
 

@@ -6,13 +6,14 @@
 // A call some block waits on goes to the interleaver's ``visit`` (Python).
 //
 // The RunSlot is shared by all controllers of a model: it holds the run's interleaver, the set of
-// module indices some block waits on (``hot``) and the per-module call counts of the current step.
+// module indices some block waits on (``hot_in``, ``hot_out``) and the per-module call counts of the current step.
 // While a block's own code runs, ``bypass`` is set: a block that calls the model's modules itself
 // (a logit lens through ``lm_head``) runs them plainly, unseen by the run.
 
 #include "asyncpp_native.h"
 
 #include <structmember.h>
+#include <descrobject.h>
 
 namespace {
 
@@ -21,25 +22,88 @@ PyObject* str_visit_output = nullptr;
 
 struct RunSlot {
   PyObject_HEAD
-  PyObject* kernel;  // the interleaver of the run in progress, or None
-  PyObject* hot;     // set of module indices some block waits on
-  PyObject* counts;  // list: completed calls per module index in the current step
+  PyObject* kernel;        // the interleaver of the run in progress, or None
+  PyObject* hot_in;        // set of module indices with waits on their input stage (or step starts)
+  PyObject* hot_out;       // set of module indices with waits on their output
+  PyObject* counts;        // list: completed calls per module index in the current step
+  PyObject* visit;         // kernel.visit, bound once per run
+  PyObject* visit_output;  // kernel.visit_output
+  // the single-read fast path (see fast_serve): the kernel's structures, bound once per run
+  PyObject* waits;         // dict: wait key -> list of wait tuples
+  PyObject* refs_out;      // list: output waits per module index
+  PyObject* ready;         // deque of woken blocks
+  PyObject* resume;        // kernel._resume
+  PyObject* complete;      // kernel._complete
+  PyObject* fail;          // kernel._fail
+  PyObject* serve;         // kernel.serve
+  PyObject* visit_out;     // the output of the call being served by the fast path
+  Py_ssize_t visit_index;
+  Py_ssize_t visit_n;
+  long step;               // the kernel's current generation step (kept in sync by the kernel)
+  int fast;                // no intercept or publish hook: the fast path may serve
+  int in_visit;            // the fast path is serving visit_index / visit_n
   int bypass;
 };
+
+PyObject* location_type = nullptr;  // asyncpp's Location class, registered from Python
+PyObject* block_type = nullptr;     // the interleaver's Block class
+
+// Offsets of the __slots__ the fast path reads and writes (looked up once, at registration).
+struct {
+  Py_ssize_t key, occ, keys;
+} loc_off;
+struct {
+  Py_ssize_t coro, state, rows, step, order, waiting;
+} blk_off;
+struct {
+  Py_ssize_t current, position;
+} ker_off;
+
+inline PyObject* slot_get(PyObject* o, Py_ssize_t off) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+}
+
+inline void slot_set(PyObject* o, Py_ssize_t off, PyObject* v) {
+  PyObject** p = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+  Py_INCREF(v);
+  Py_XSETREF(*p, v);
+}
 
 int slot_traverse(PyObject* o, visitproc visit, void* arg) {
   auto* s = reinterpret_cast<RunSlot*>(o);
   Py_VISIT(s->kernel);
-  Py_VISIT(s->hot);
+  Py_VISIT(s->hot_in);
+  Py_VISIT(s->hot_out);
   Py_VISIT(s->counts);
+  Py_VISIT(s->visit);
+  Py_VISIT(s->visit_output);
+  Py_VISIT(s->waits);
+  Py_VISIT(s->refs_out);
+  Py_VISIT(s->ready);
+  Py_VISIT(s->resume);
+  Py_VISIT(s->complete);
+  Py_VISIT(s->fail);
+  Py_VISIT(s->serve);
+  Py_VISIT(s->visit_out);
   return 0;
 }
 
 int slot_clear(PyObject* o) {
   auto* s = reinterpret_cast<RunSlot*>(o);
   Py_CLEAR(s->kernel);
-  Py_CLEAR(s->hot);
+  Py_CLEAR(s->hot_in);
+  Py_CLEAR(s->hot_out);
   Py_CLEAR(s->counts);
+  Py_CLEAR(s->visit);
+  Py_CLEAR(s->visit_output);
+  Py_CLEAR(s->waits);
+  Py_CLEAR(s->refs_out);
+  Py_CLEAR(s->ready);
+  Py_CLEAR(s->resume);
+  Py_CLEAR(s->complete);
+  Py_CLEAR(s->fail);
+  Py_CLEAR(s->serve);
+  Py_CLEAR(s->visit_out);
   return 0;
 }
 
@@ -54,28 +118,81 @@ PyObject* slot_new(PyTypeObject* type, PyObject*, PyObject*) {
   if (!s) return nullptr;
   Py_INCREF(Py_None);
   s->kernel = Py_None;
-  s->hot = PySet_New(nullptr);
+  s->hot_in = PySet_New(nullptr);
+  s->hot_out = PySet_New(nullptr);
   s->counts = PyList_New(0);
+  s->visit = nullptr;
+  s->visit_output = nullptr;
+  s->waits = s->refs_out = s->ready = s->resume = s->complete = s->fail = s->serve = nullptr;
+  s->visit_out = nullptr;
+  s->visit_index = s->visit_n = -1;
+  s->step = 0;
+  s->fast = s->in_visit = 0;
   s->bypass = 0;
-  if (!s->hot || !s->counts) {
+  if (!s->hot_in || !s->hot_out || !s->counts) {
     Py_DECREF(s);
     return nullptr;
   }
   return reinterpret_cast<PyObject*>(s);
 }
 
-// slot.activate(kernel, hot, counts): attach a run. slot.deactivate(): detach it.
-PyObject* slot_activate(PyObject* o, PyObject* args) {
+// slot.activate(kernel): attach a run (its hot_in, hot_out and counts are read once, here; the
+// kernel must mutate them in place). slot.deactivate(): detach it.
+PyObject* slot_activate(PyObject* o, PyObject* kernel) {
   auto* s = reinterpret_cast<RunSlot*>(o);
-  PyObject *kernel, *hot, *counts;
-  if (!PyArg_ParseTuple(args, "OO!O!", &kernel, &PySet_Type, &hot, &PyList_Type, &counts)) return nullptr;
+  PyObject* hot_in = PyObject_GetAttrString(kernel, "hot_in");
+  PyObject* hot_out = PyObject_GetAttrString(kernel, "hot_out");
+  PyObject* counts = PyObject_GetAttrString(kernel, "counts");
+  PyObject* visit = PyObject_GetAttr(kernel, str_visit);
+  PyObject* visit_output = PyObject_GetAttr(kernel, str_visit_output);
+  if (!hot_in || !hot_out || !counts || !visit || !visit_output || !PySet_Check(hot_in) ||
+      !PySet_Check(hot_out) || !PyList_Check(counts)) {
+    Py_XDECREF(hot_in);
+    Py_XDECREF(hot_out);
+    Py_XDECREF(counts);
+    Py_XDECREF(visit);
+    Py_XDECREF(visit_output);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "activate(): the kernel needs set hot_in/hot_out and list counts");
+    return nullptr;
+  }
   Py_INCREF(kernel);
-  Py_INCREF(hot);
-  Py_INCREF(counts);
   Py_SETREF(s->kernel, kernel);
-  Py_SETREF(s->hot, hot);
+  Py_SETREF(s->hot_in, hot_in);
+  Py_SETREF(s->hot_out, hot_out);
   Py_SETREF(s->counts, counts);
+  Py_XSETREF(s->visit, visit);
+  Py_XSETREF(s->visit_output, visit_output);
   s->bypass = 0;
+  s->in_visit = 0;
+  s->fast = 0;
+  Py_CLEAR(s->visit_out);
+  // the fast path needs the kernel's structures; without them (or with hooks set) it stays off
+  PyObject* waits = PyObject_GetAttrString(kernel, "waits");
+  PyObject* refs_out = PyObject_GetAttrString(kernel, "_refs_out");
+  PyObject* ready = PyObject_GetAttrString(kernel, "ready");
+  PyObject* resume = PyObject_GetAttrString(kernel, "_resume");
+  PyObject* complete = PyObject_GetAttrString(kernel, "_complete");
+  PyObject* fail = PyObject_GetAttrString(kernel, "_fail");
+  PyObject* serve = PyObject_GetAttrString(kernel, "serve");
+  PyObject* intercept = PyObject_GetAttrString(kernel, "intercept");
+  PyObject* publish = PyObject_GetAttrString(kernel, "publish");
+  PyObject* step = PyObject_GetAttrString(kernel, "step");
+  if (waits && refs_out && ready && resume && complete && fail && serve && intercept && publish && step &&
+      PyDict_CheckExact(waits) && PyList_CheckExact(refs_out) && location_type) {
+    s->fast = intercept == Py_None && publish == Py_None;
+    s->step = PyLong_AsLong(step);
+  }
+  PyErr_Clear();
+  Py_XSETREF(s->waits, waits);
+  Py_XSETREF(s->refs_out, refs_out);
+  Py_XSETREF(s->ready, ready);
+  Py_XSETREF(s->resume, resume);
+  Py_XSETREF(s->complete, complete);
+  Py_XSETREF(s->fail, fail);
+  Py_XSETREF(s->serve, serve);
+  Py_XDECREF(intercept);
+  Py_XDECREF(publish);
+  Py_XDECREF(step);
   Py_RETURN_NONE;
 }
 
@@ -83,18 +200,35 @@ PyObject* slot_deactivate(PyObject* o, PyObject*) {
   auto* s = reinterpret_cast<RunSlot*>(o);
   Py_INCREF(Py_None);
   Py_SETREF(s->kernel, Py_None);
+  Py_CLEAR(s->visit);
+  Py_CLEAR(s->visit_output);
+  Py_CLEAR(s->waits);
+  Py_CLEAR(s->refs_out);
+  Py_CLEAR(s->ready);
+  Py_CLEAR(s->resume);
+  Py_CLEAR(s->complete);
+  Py_CLEAR(s->fail);
+  Py_CLEAR(s->serve);
+  Py_CLEAR(s->visit_out);
+  s->fast = s->in_visit = 0;
   s->bypass = 0;
   Py_RETURN_NONE;
 }
 
 PyMethodDef slot_methods[] = {
-    {"activate", slot_activate, METH_VARARGS, "Attach a run: (interleaver, hot set, counts list)."},
+    {"activate", slot_activate, METH_O, "Attach a run's interleaver."},
     {"deactivate", slot_deactivate, METH_NOARGS, "Detach the run."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef slot_members[] = {
     {"kernel", T_OBJECT, offsetof(RunSlot, kernel), READONLY, "the interleaver of the run, or None"},
     {"bypass", T_BOOL, offsetof(RunSlot, bypass), 0, "set while a block's own code runs"},
+    {"step", T_LONG, offsetof(RunSlot, step), 0, "the kernel's current generation step"},
+    {"fast", T_BOOL, offsetof(RunSlot, fast), 0, "whether the native single-read fast path may serve"},
+    {"in_visit", T_BOOL, offsetof(RunSlot, in_visit), READONLY, "the fast path is serving a call"},
+    {"visit_index", T_PYSSIZET, offsetof(RunSlot, visit_index), READONLY, "module of that call"},
+    {"visit_n", T_PYSSIZET, offsetof(RunSlot, visit_n), READONLY, "call number of that call"},
+    {"visit_out", T_OBJECT, offsetof(RunSlot, visit_out), 0, "the output of that call (writable)"},
     {nullptr, 0, 0, 0, nullptr}};
 
 PyTypeObject RunSlotType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -107,6 +241,7 @@ struct Controller {
   RunSlot* slot;
   PyObject* forward;   // the module's real forward
   PyObject* index;     // module index (int)
+  PyObject* out_key;   // wait key of its output: index * 4 + 2
   Py_ssize_t idx;
   PyObject* replaced;  // the instance-level forward this controller shadows, or None
 };
@@ -134,13 +269,278 @@ PyObject* visit_full(Controller* c, PyObject* const* args, size_t nargsf, PyObje
       }
     }
   }
-  PyObject* kernel = c->slot->kernel;
-  Py_INCREF(kernel);
-  PyObject* out = PyObject_CallMethodObjArgs(kernel, str_visit, c->index, c->forward, tuple, kwargs, nullptr);
-  Py_DECREF(kernel);
+  PyObject* visit = c->slot->visit;
+  Py_INCREF(visit);
+  PyObject* call_args[4] = {c->index, c->forward, tuple, kwargs};
+  PyObject* out = PyObject_Vectorcall(visit, call_args, 4, nullptr);
+  Py_DECREF(visit);
   Py_DECREF(tuple);
   Py_DECREF(kwargs);
   return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The single-read fast path: the common case of a module call that exactly one whole-batch block
+// waits on with a plain ``await loc`` is served here, and if that block's next wait is another plain
+// output read it is parked here too. Everything else (several waiters, rows, writes, steps, gathers,
+// errors) goes through the interleaver's Python code, which owns the semantics; this path only
+// repeats what that code does in this one case.
+
+PyObject* s_keys = nullptr;
+PyObject* s_rows = nullptr;
+PyObject* s_position = nullptr;
+PyObject* s_current = nullptr;
+PyObject* s_waiting = nullptr;
+PyObject* s_coro = nullptr;
+PyObject* s_state = nullptr;
+PyObject* s_kind = nullptr;
+PyObject* s_occ = nullptr;
+PyObject* s_step = nullptr;
+PyObject* s_key = nullptr;
+PyObject* s_order = nullptr;
+PyObject* s_index = nullptr;
+
+bool ready_empty(RunSlot* s) {
+  Py_ssize_t n = PyObject_Length(s->ready);
+  if (n < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  return n == 0;
+}
+
+// Borrowed-style attribute read: returns a new reference or nullptr (error cleared: "not fast").
+PyObject* attr(PyObject* o, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (!v) PyErr_Clear();
+  return v;
+}
+
+// Park ``block`` on ``msg`` if it is a plain output read of a later call in the current step.
+// 1: parked; 0: not handled (the Python kernel will handle it); never raises.
+int try_park(RunSlot* s, PyObject* block, PyObject* msg) {
+  if (Py_TYPE(msg) != reinterpret_cast<PyTypeObject*>(location_type)) return 0;
+  PyObject *key = slot_get(msg, loc_off.key), *occ = slot_get(msg, loc_off.occ);
+  PyObject *bstep = slot_get(block, blk_off.step), *order = slot_get(block, blk_off.order);
+  if (!key || !occ || !bstep || !order) return 0;
+  const Py_ssize_t k = PyLong_AsSsize_t(key);
+  const Py_ssize_t idx = k >> 2;
+  const Py_ssize_t o = PyLong_AsSsize_t(occ);
+  if ((k & 3) != 2 || PyLong_AsLong(bstep) != s->step || PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  if (s->in_visit && idx == s->visit_index && o == s->visit_n) return 0;  // the call being served
+  if (idx < 0 || idx >= PyList_GET_SIZE(s->counts) || idx >= PyList_GET_SIZE(s->refs_out)) return 0;
+  if (o < PyLong_AsSsize_t(PyList_GET_ITEM(s->counts, idx))) return 0;  // passed: an order error
+  PyObject* lst = PyDict_GetItemWithError(s->waits, key);
+  if (lst) {
+    Py_ssize_t n = PyList_GET_SIZE(lst);
+    if (n > 0 && PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(lst, n - 1), 0)) > PyLong_AsLong(order)) {
+      return 0;  // keeping invoke order needs a sort: the kernel does it
+    }
+  } else if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  PyObject* zero = PyLong_FromLong(0);
+  PyObject* w = PyTuple_Pack(7, order, block, msg, bstep, occ, Py_None, zero);
+  Py_XDECREF(zero);
+  if (!w) {
+    PyErr_Clear();
+    return 0;
+  }
+  int ok;
+  if (lst) {
+    ok = PyList_Append(lst, w);
+  } else {
+    PyObject* fresh = PyList_New(1);
+    if (fresh) {
+      Py_INCREF(w);
+      PyList_SET_ITEM(fresh, 0, w);
+      ok = PyDict_SetItem(s->waits, key, fresh);
+      Py_DECREF(fresh);
+    } else {
+      ok = -1;
+    }
+  }
+  Py_DECREF(w);
+  if (ok < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  const Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(s->refs_out, idx));
+  PyList_SetItem(s->refs_out, idx, PyLong_FromSsize_t(r + 1));
+  if (r == 0) {
+    PyObject* index = PyLong_FromSsize_t(idx);
+    if (index) {
+      PySet_Add(s->hot_out, index);
+      Py_DECREF(index);
+    }
+  }
+  slot_set(block, blk_off.waiting, msg);
+  PyErr_Clear();
+  return 1;
+}
+
+// Resume ``block`` with ``value`` (the read it waited for). 0 on success, -1 with an error set.
+int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
+  PyObject* kernel = s->kernel;
+  PyObject* coro = slot_get(block, blk_off.coro);
+  PyObject* state = slot_get(block, blk_off.state);
+  PyObject* prev = slot_get(kernel, ker_off.current);
+  if (!coro || !state || !prev) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "asyncpp: a block without coroutine or state");
+    return -1;
+  }
+  Py_INCREF(coro);
+  Py_INCREF(state);
+  Py_INCREF(prev);
+  slot_set(block, blk_off.waiting, Py_None);
+  slot_set(kernel, ker_off.current, block);
+  int status = 0;
+  if (state != Py_None && asyncpp::tls_enter(state) < 0) {
+    status = -1;
+  } else {
+    int outer_bypass = s->bypass;
+    s->bypass = 1;
+    PyObject* msg = nullptr;
+    PySendResult r = PyIter_Send(coro, value, &msg);
+    PyObject* handoff = nullptr;  // a message the Python kernel must handle
+    if (r == PYGEN_NEXT) {
+      if (!try_park(s, block, msg)) {
+        handoff = msg;
+        msg = nullptr;
+      }
+    } else if (r == PYGEN_RETURN) {
+      PyObject* args[2] = {block, msg};
+      PyObject* done = PyObject_Vectorcall(s->complete, args, 2, nullptr);
+      if (!done) status = -1;
+      Py_XDECREF(done);
+    } else {
+      PyObject *type, *exc, *tb;
+      PyErr_Fetch(&type, &exc, &tb);
+      PyErr_NormalizeException(&type, &exc, &tb);
+      if (tb) PyException_SetTraceback(exc, tb);
+      bool plain = PyErr_GivenExceptionMatches(type, PyExc_Exception);
+      PyObject* args[2] = {block, exc};
+      PyObject* done = PyObject_Vectorcall(s->fail, args, 2, nullptr);
+      if (!done) {
+        status = -1;
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+      } else if (!plain) {  // KeyboardInterrupt and friends end the run, as in the kernel
+        status = -1;
+        PyErr_Restore(type, exc, tb);
+      } else {
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+      }
+      Py_XDECREF(done);
+    }
+    Py_XDECREF(msg);
+    s->bypass = outer_bypass;
+    if (state != Py_None) {
+      PyObject *et, *ev, *etb;
+      PyErr_Fetch(&et, &ev, &etb);
+      if (asyncpp::tls_leave(state) < 0) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(etb);
+        status = -1;
+      } else {
+        PyErr_Restore(et, ev, etb);
+      }
+    }
+    if (handoff) {  // the kernel's own _resume enters the block's state again and handles it
+      slot_set(kernel, ker_off.current, prev);
+      if (status == 0) {
+        PyObject* args[4] = {block, Py_None, Py_None, handoff};
+        PyObject* done = PyObject_Vectorcall(s->resume, args, 4, nullptr);
+        if (!done) status = -1;
+        Py_XDECREF(done);
+      }
+      Py_DECREF(handoff);
+    }
+  }
+  slot_set(kernel, ker_off.current, prev);
+  Py_DECREF(coro);
+  Py_DECREF(state);
+  Py_DECREF(prev);
+  return status;
+}
+
+// 1 when served (``*result`` is the call's output to return, or nullptr with an error set);
+// 0 when the Python kernel must serve this call. Consumes ``out`` only when it returns 1.
+int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
+  PyObject* lst = PyDict_GetItemWithError(s->waits, c->out_key);
+  if (!lst) {
+    PyErr_Clear();
+    return 0;
+  }
+  if (!PyList_CheckExact(lst) || PyList_GET_SIZE(lst) != 1 || !ready_empty(s)) return 0;
+  PyObject* w = PyList_GET_ITEM(lst, 0);
+  if (!PyTuple_CheckExact(w) || PyTuple_GET_SIZE(w) != 7) return 0;
+  PyObject *block = PyTuple_GET_ITEM(w, 1), *trap = PyTuple_GET_ITEM(w, 2);
+  if (PyTuple_GET_ITEM(w, 5) != Py_None || Py_TYPE(trap) != reinterpret_cast<PyTypeObject*>(location_type) ||
+      Py_TYPE(block) != reinterpret_cast<PyTypeObject*>(block_type)) {
+    return 0;
+  }
+  const Py_ssize_t idx = c->idx;
+  if (idx >= PyList_GET_SIZE(s->counts) || idx >= PyList_GET_SIZE(s->refs_out)) return 0;
+  const Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(s->counts, idx));
+  if (PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 4)) != n || PyLong_AsLong(PyTuple_GET_ITEM(w, 3)) != s->step) {
+    PyErr_Clear();
+    return 0;
+  }
+  PyObject* keys = slot_get(trap, loc_off.keys);
+  PyObject* rows = slot_get(block, blk_off.rows);
+  if (!keys || !PyTuple_Check(keys) || PyTuple_GET_SIZE(keys) != 0 || rows != Py_None) return 0;
+
+  // take the wait: the same bookkeeping as the kernel's visit_output
+  Py_INCREF(block);
+  Py_INCREF(trap);
+  int ok = PyDict_DelItem(s->waits, c->out_key);
+  if (ok == 0) {
+    Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(s->refs_out, idx)) - 1;
+    ok = PyList_SetItem(s->refs_out, idx, PyLong_FromSsize_t(r));
+    if (ok == 0 && r == 0) ok = PySet_Discard(s->hot_out, c->index) < 0 ? -1 : 0;
+  }
+  if (ok == 0) ok = PyList_SetItem(s->counts, idx, PyLong_FromSsize_t(n + 1));
+  if (ok == 0) slot_set(s->kernel, ker_off.position, trap);
+  if (ok < 0) {
+    Py_DECREF(block);
+    Py_DECREF(trap);
+    Py_DECREF(out);
+    *result = nullptr;
+    return 1;
+  }
+  Py_XSETREF(s->visit_out, out);  // steals: a block's write replaces it through the slot
+  s->visit_index = idx;
+  s->visit_n = n;
+  s->in_visit = 1;
+  Py_INCREF(out);
+  int status = resume_block(s, block, out);
+  Py_DECREF(out);
+  s->in_visit = 0;
+  PyObject* served = s->visit_out;
+  s->visit_out = nullptr;
+  Py_DECREF(block);
+  Py_DECREF(trap);
+  if (status == 0 && !ready_empty(s)) {  // a block set a slot another block waits on
+    PyObject* done = PyObject_CallNoArgs(s->serve);
+    if (!done) status = -1;
+    Py_XDECREF(done);
+  }
+  if (status < 0) {
+    Py_XDECREF(served);
+    *result = nullptr;
+    return 1;
+  }
+  *result = served;
+  return 1;
 }
 
 PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
@@ -149,22 +549,27 @@ PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargs
   if (s->kernel == Py_None || s->bypass) {
     return PyObject_Vectorcall(c->forward, args, nargsf, kwnames);
   }
-  int hot = PySet_Contains(s->hot, c->index);
+  int hot = PySet_Contains(s->hot_in, c->index);
   if (hot < 0) return nullptr;
   if (hot) return visit_full(c, args, nargsf, kwnames);
   PyObject* out = PyObject_Vectorcall(c->forward, args, nargsf, kwnames);
   if (!out) return nullptr;
   if (s->kernel == Py_None) return out;  // the run ended while this call ran (an aborted run)
-  hot = PySet_Contains(s->hot, c->index);
+  hot = PySet_Contains(s->hot_out, c->index);
   if (hot < 0) {
     Py_DECREF(out);
     return nullptr;
   }
-  if (hot) {  // a block started waiting on this call's output while it ran
-    PyObject* kernel = s->kernel;
-    Py_INCREF(kernel);
-    PyObject* r = PyObject_CallMethodObjArgs(kernel, str_visit_output, c->index, out, nullptr);
-    Py_DECREF(kernel);
+  if (hot) {  // a block waits on this call's output (perhaps since the call began)
+    if (s->fast) {
+      PyObject* result;
+      if (fast_serve(c, s, out, &result)) return result;
+    }
+    PyObject* visit_output = s->visit_output;
+    Py_INCREF(visit_output);
+    PyObject* call_args[2] = {c->index, out};
+    PyObject* r = PyObject_Vectorcall(visit_output, call_args, 2, nullptr);
+    Py_DECREF(visit_output);
     Py_DECREF(out);
     return r;
   }
@@ -187,6 +592,7 @@ int controller_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(c->slot);
   Py_VISIT(c->forward);
   Py_VISIT(c->index);
+  Py_VISIT(c->out_key);
   Py_VISIT(c->replaced);
   return 0;
 }
@@ -196,6 +602,7 @@ int controller_clear(PyObject* o) {
   Py_CLEAR(c->slot);
   Py_CLEAR(c->forward);
   Py_CLEAR(c->index);
+  Py_CLEAR(c->out_key);
   Py_CLEAR(c->replaced);
   return 0;
 }
@@ -219,10 +626,11 @@ PyObject* controller_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   Py_INCREF(forward);
   c->forward = forward;
   c->index = PyLong_FromSsize_t(idx);
+  c->out_key = PyLong_FromSsize_t(idx * 4 + 2);
   c->idx = idx;
   Py_INCREF(replaced);
   c->replaced = replaced;
-  if (!c->index) {
+  if (!c->index || !c->out_key) {
     Py_DECREF(c);
     return nullptr;
   }
@@ -272,11 +680,68 @@ PyMethodDef module_functions[] = {
     {"remove", py_remove, METH_O, "Remove the controllers, restoring any forward they shadowed."},
     {nullptr, nullptr, 0, nullptr}};
 
+Py_ssize_t member_offset(PyObject* type, const char* name) {
+  PyObject* d = PyObject_GetAttrString(type, name);
+  if (!d) return -1;
+  Py_ssize_t off = -1;
+  if (Py_TYPE(d) == &PyMemberDescr_Type) {
+    off = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
+  } else {
+    PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", reinterpret_cast<PyTypeObject*>(type)->tp_name, name);
+  }
+  Py_DECREF(d);
+  return off;
+}
+
+// set_types(Location, Block, Interleaver): the classes the fast path recognises, and where their
+// slots live.
+PyObject* py_set_types(PyObject*, PyObject* args) {
+  PyObject *loc, *blk, *ker;
+  if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &ker)) return nullptr;
+  ker_off = {member_offset(ker, "current"), member_offset(ker, "position")};
+  if (ker_off.current < 0 || ker_off.position < 0) return nullptr;
+  Py_ssize_t offs[9] = {member_offset(loc, "key"),   member_offset(loc, "occ"),   member_offset(loc, "keys"),
+                        member_offset(blk, "coro"),  member_offset(blk, "state"), member_offset(blk, "rows"),
+                        member_offset(blk, "step"),  member_offset(blk, "order"), member_offset(blk, "waiting")};
+  for (Py_ssize_t off : offs) {
+    if (off < 0) return nullptr;
+  }
+  loc_off = {offs[0], offs[1], offs[2]};
+  blk_off = {offs[3], offs[4], offs[5], offs[6], offs[7], offs[8]};
+  Py_INCREF(loc);
+  Py_XSETREF(location_type, loc);
+  Py_INCREF(blk);
+  Py_XSETREF(block_type, blk);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef more_functions[] = {
+    {"set_types", py_set_types, METH_VARARGS, "Register asyncpp's Location and Block classes."},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 void asyncpp::register_controllers(pybind11::module_& m) {
   str_visit = PyUnicode_InternFromString("visit");
   str_visit_output = PyUnicode_InternFromString("visit_output");
+  s_keys = PyUnicode_InternFromString("keys");
+  s_rows = PyUnicode_InternFromString("rows");
+  s_position = PyUnicode_InternFromString("position");
+  s_current = PyUnicode_InternFromString("current");
+  s_waiting = PyUnicode_InternFromString("waiting");
+  s_coro = PyUnicode_InternFromString("coro");
+  s_state = PyUnicode_InternFromString("state");
+  s_kind = PyUnicode_InternFromString("kind");
+  s_occ = PyUnicode_InternFromString("occ");
+  s_step = PyUnicode_InternFromString("step");
+  s_key = PyUnicode_InternFromString("key");
+  s_order = PyUnicode_InternFromString("order");
+  s_index = PyUnicode_InternFromString("index");
+  for (PyMethodDef* d = more_functions; d->ml_name; d++) {
+    PyObject* f = PyCFunction_New(d, nullptr);
+    if (!f) throw pybind11::error_already_set();
+    m.add_object(d->ml_name, f);
+  }
 
   RunSlotType.tp_name = "asyncpp_native.RunSlot";
   RunSlotType.tp_basicsize = sizeof(RunSlot);

@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr size_t kWords = 12;
+constexpr size_t kWords = 11;
 using Fingerprint = std::array<uint64_t, kWords>;
 
 int autocast_nesting() {
@@ -60,7 +60,8 @@ Fingerprint fingerprint() {
   const auto& hooks = at::SavedTensorDefaultHooks::get_tls_state().stack;
   f[9] = hooks.size();
   f[10] = hooks.empty() ? 0 : ptr_bits(&hooks.top());
-  f[11] = ptr_bits(c10::ThreadLocalDebugInfo::current().get());
+  // c10::ThreadLocalDebugInfo is left out: reading it copies a shared_ptr (atomics) at every
+  // switch, and only C++ code (profilers) sets it; a full capture still carries it.
   return f;
 }
 
@@ -129,27 +130,146 @@ void leave(BlockState& b) {
   set_autocast_nesting(previous_nesting);
 }
 
-BlockState* fork_state(const BlockState& tmpl) {
-  // A new block's state: a copy of ``tmpl`` when the thread still has that state (the common case:
-  // every block of a run starts from the same forward state), else a fresh capture.
-  if (fingerprint() == tmpl.fp && autocast_nesting() == tmpl.nesting) {
-    return new BlockState(tmpl.state, tmpl.nesting, tmpl.fp);
+// ------------------------------------------------------------------------------------------------
+// Python binding as a plain CPython type (pybind11's call dispatch costs more than the swap itself).
+
+struct PyBlockState {
+  PyObject_HEAD
+  BlockState* impl;
+};
+
+PyTypeObject PyBlockStateType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* wrap(BlockState* impl) {
+  auto* o = reinterpret_cast<PyBlockState*>(PyBlockStateType.tp_alloc(&PyBlockStateType, 0));
+  if (!o) {
+    delete impl;
+    return nullptr;
   }
-  return new BlockState();
+  o->impl = impl;
+  return reinterpret_cast<PyObject*>(o);
 }
+
+PyObject* state_new(PyTypeObject*, PyObject*, PyObject*) {
+  try {
+    return wrap(new BlockState());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+void state_dealloc(PyObject* o) {
+  delete reinterpret_cast<PyBlockState*>(o)->impl;
+  Py_TYPE(o)->tp_free(o);
+}
+
+// state.fork(): a new block's state, a copy of this one when the thread still has it (the common
+// case: every block of a run starts from the same forward state), else a fresh capture.
+PyObject* state_fork(PyObject* o, PyObject*) {
+  const BlockState& t = *reinterpret_cast<PyBlockState*>(o)->impl;
+  try {
+    if (fingerprint() == t.fp && autocast_nesting() == t.nesting) {
+      return wrap(new BlockState(t.state, t.nesting, t.fp));
+    }
+    return wrap(new BlockState());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* state_get(PyObject* o, void* which) {
+  const BlockState& b = *reinterpret_cast<PyBlockState*>(o)->impl;
+  switch (reinterpret_cast<intptr_t>(which)) {
+    case 0:
+      return PyLong_FromUnsignedLongLong(b.slow_entries);
+    case 1:
+      return PyLong_FromUnsignedLongLong(b.captures);
+    default:
+      return PyBool_FromLong(b.inside);
+  }
+}
+
+PyMethodDef state_methods[] = {{"fork", state_fork, METH_NOARGS, "A new block state starting from this one."},
+                               {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef state_getset[] = {
+    {"slow_entries", state_get, nullptr, "entries that had to install a different state", (void*)0},
+    {"captures", state_get, nullptr, "leaves where the block had changed its state", (void*)1},
+    {"inside", state_get, nullptr, "whether the block is running now", (void*)2},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+BlockState* unwrap(PyObject* o) {
+  if (Py_TYPE(o) != &PyBlockStateType) {
+    PyErr_SetString(PyExc_TypeError, "expected a BlockState");
+    return nullptr;
+  }
+  return reinterpret_cast<PyBlockState*>(o)->impl;
+}
+
+PyObject* py_enter(PyObject*, PyObject* o) {
+  BlockState* b = unwrap(o);
+  if (!b) return nullptr;
+  try {
+    enter(*b);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_leave(PyObject*, PyObject* o) {
+  BlockState* b = unwrap(o);
+  if (!b) return nullptr;
+  try {
+    leave(*b);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef tls_functions[] = {
+    {"enter", py_enter, METH_O, "Install a block's state on the calling thread."},
+    {"leave", py_leave, METH_O, "Save a block's state and restore the thread's."},
+    {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 
+int asyncpp::tls_enter(PyObject* state) {
+  PyObject* r = py_enter(nullptr, state);
+  if (!r) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
+int asyncpp::tls_leave(PyObject* state) {
+  PyObject* r = py_leave(nullptr, state);
+  if (!r) return -1;
+  Py_DECREF(r);
+  return 0;
+}
+
 void asyncpp::register_tls(pybind11::module_& m) {
-  pybind11::class_<BlockState>(m, "BlockState")
-      .def(pybind11::init<>(), "Capture the calling thread's state as a new block's initial state.")
-      .def("fork", &fork_state, pybind11::return_value_policy::take_ownership,
-           "A new block state equal to this one if the thread still has it, else a fresh capture.")
-      .def_readonly("slow_entries", &BlockState::slow_entries)
-      .def_readonly("captures", &BlockState::captures)
-      .def_readonly("inside", &BlockState::inside);
-  m.def("enter", &enter, "Install a block's state on the calling thread.");
-  m.def("leave", &leave, "Save a block's state and restore the thread's.");
+  PyBlockStateType.tp_name = "asyncpp_native.BlockState";
+  PyBlockStateType.tp_basicsize = sizeof(PyBlockState);
+  PyBlockStateType.tp_flags = Py_TPFLAGS_DEFAULT;
+  PyBlockStateType.tp_doc = "A block's torch thread-local state; BlockState() captures the thread's.";
+  PyBlockStateType.tp_new = state_new;
+  PyBlockStateType.tp_dealloc = state_dealloc;
+  PyBlockStateType.tp_methods = state_methods;
+  PyBlockStateType.tp_getset = state_getset;
+  if (PyType_Ready(&PyBlockStateType) < 0) throw pybind11::error_already_set();
+  Py_INCREF(&PyBlockStateType);
+  m.add_object("BlockState", reinterpret_cast<PyObject*>(&PyBlockStateType));
+  for (PyMethodDef* d = tls_functions; d->ml_name; d++) {
+    PyObject* f = PyCFunction_New(d, nullptr);
+    if (!f) throw pybind11::error_already_set();
+    m.add_object(d->ml_name, f);
+  }
   m.def("fingerprint", []() {
     auto f = fingerprint();
     return std::vector<uint64_t>(f.begin(), f.end());

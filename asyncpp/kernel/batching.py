@@ -116,8 +116,15 @@ def put_at(full: Any, keys: tuple, new: Any, rows: tuple[int, int] | None, batch
 
 def detach(value: Any) -> Any:
     """Copy a block's result out of the model's buffers: tensors are detached and cloned."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
+    t = type(value)
+    if t is Tensor or isinstance(value, Tensor):
+        return value.detach().clone() if value.requires_grad else value.clone()
+    if t is list or t is tuple:
+        items = [
+            (v.clone() if not v.requires_grad else v.detach().clone()) if type(v) is Tensor else detach(v)
+            for v in value
+        ]
+        return items if t is list else tuple(items)
     if isinstance(value, (tuple, list, dict)):
         return _map(value, detach)
     if getattr(value, "TRAP", None) is not None and hasattr(value, "describe"):

@@ -64,7 +64,6 @@ class Block:
         "result",
         "error",
         "waiting",
-        "records",
         "writes",
         "state",
     )
@@ -80,7 +79,6 @@ class Block:
         self.result: Any = None
         self.error: BaseException | None = None
         self.waiting: Any = None  # the trap it is parked on (for errors and introspection)
-        self.records: list = []  # its entries in wait lists, removed when it is resumed
         self.writes: list = []  # Write traps it created and has not awaited yet
         self.state: Any = None  # torch thread-local state owned by the switch hook
 
@@ -153,12 +151,63 @@ class _Visit:
             self.skip = value
 
 
+class _FastVisit(_Visit):
+    """The call the native fast path is serving: its output lives in the controllers' slot, so a
+    write by the block being resumed there reaches the model."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: Any):
+        self.slot = slot
+        self.index, self.n, self.stage = slot.visit_index, slot.visit_n, OUTPUT
+        self.args, self.kwargs, self.skip = (), None, _NOTHING
+
+    @property
+    def out(self) -> Any:  # type: ignore[override]
+        return self.slot.visit_out
+
+    @out.setter
+    def out(self, value: Any) -> None:
+        self.slot.visit_out = value
+
+
 def _stage(kind: int) -> int:
     return OUTPUT if kind == OUTPUT else INPUT
 
 
 class Interleaver:
     """The scheduler of one run. See the module docstring for the life of a block."""
+
+    __slots__ = (
+        "names",
+        "batch_size",
+        "counts",
+        "seen_in",
+        "waits",
+        "hot_in",
+        "hot_out",
+        "_refs_in",
+        "_refs_out",
+        "ready",
+        "blocks",
+        "current",
+        "serving",
+        "step",
+        "steps_begun",
+        "step_index",
+        "_gates",
+        "position",
+        "intercept",
+        "publish",
+        "switch",
+        "_enter",
+        "_leave",
+        "_template",
+        "slot",
+        "_visit",
+        "finished",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -175,8 +224,11 @@ class Interleaver:
         self.counts = [0] * n  # completed visits per module in the current step
         self.seen_in = [-1] * n  # visit number whose input stage was served, per hot module
         self.waits: dict[int, list[tuple]] = {}  # key index*4+kind -> parked waits, invoke order
-        self.hot: set[int] = set()  # modules some block waits on: the controllers' one lookup
-        self._hot_refs = [0] * n
+        # modules some block waits on, by stage: the controllers' lookups before and after a call
+        self.hot_in: set[int] = set()
+        self.hot_out: set[int] = set()
+        self._refs_in = [0] * n  # waits per module on its input stage
+        self._refs_out = [0] * n  # waits per module on its output
         self.ready: deque = deque()  # (block, value, is_error) woken outside a visit's own loop
         self.blocks: list[Block] = []
         self.current: Block | None = None  # the block being resumed
@@ -193,9 +245,10 @@ class Interleaver:
         self._leave = switch.leave if switch is not None else None
         self._template = None  # the state blocks started at this run's start share
         self.slot = slot  # the engine's controller slot: .bypass is set while a block's code runs
+        self._visit = _Visit(-1, -1, OUTPUT)  # reused by the single-read fast path
         self.finished = False
         if step_index is not None:
-            self._ref(step_index)  # the root's visits begin steps, so it is always watched
+            self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
     @contextmanager
     def active(self):
@@ -222,8 +275,10 @@ class Interleaver:
         self._resume(block, None, None)
         return block
 
-    def _resume(self, block: Block, value: Any, exc: BaseException | None) -> None:
-        """Step ``block`` until it parks or ends. The one place a block's code runs."""
+    def _resume(self, block: Block, value: Any, exc: BaseException | None, msg: Any = _NOTHING) -> None:
+        """Step ``block`` until it parks or ends. The one place a block's code runs (the native
+        fast path in csrc/controller.cpp repeats it for plain reads, and hands anything else here
+        as ``msg``: a trap the block has already yielded)."""
         prev = self.current
         self.current = block
         block.waiting = None
@@ -237,17 +292,18 @@ class Interleaver:
         coro = block.coro
         try:
             while True:
-                try:
-                    msg = coro.send(value) if exc is None else coro.throw(exc)
-                except StopIteration as stop:
-                    self._complete(block, stop.value)
-                    return
-                except Exception as err:  # the block's own error: it fails alone
-                    self._fail(block, err)
-                    return
-                except BaseException as err:  # KeyboardInterrupt and friends end the run
-                    self._fail(block, err)
-                    raise
+                if msg is _NOTHING:
+                    try:
+                        msg = coro.send(value) if exc is None else coro.throw(exc)
+                    except StopIteration as stop:
+                        self._complete(block, stop.value)
+                        return
+                    except Exception as err:  # the block's own error: it fails alone
+                        self._fail(block, err)
+                        return
+                    except BaseException as err:  # KeyboardInterrupt and friends end the run
+                        self._fail(block, err)
+                        raise
                 exc = None
                 trap = getattr(msg, "TRAP", None)
                 if trap == READ:
@@ -265,6 +321,7 @@ class Interleaver:
                 if value is PARKED:
                     block.waiting = msg
                     return
+                msg = _NOTHING
                 if type(value) is _Throw:
                     exc, value = value.exc, None
         finally:
@@ -307,6 +364,8 @@ class Interleaver:
         index = trap.index
         step = block.step
         v = self.serving
+        if v is None and self.slot is not None and self.slot.in_visit:
+            v = _FastVisit(self.slot)
         if (
             v is not None
             and v.index == index
@@ -325,7 +384,24 @@ class Interleaver:
                 return _Throw(self._order_error(trap, step))
         elif step < self.step:
             return _Throw(self._order_error(trap, step))
-        self._park(block, trap, trap.key, index, step, occ, gather, gi)
+        if gather is not None or trap.kind != OUTPUT:
+            self._park(block, trap, trap.key, index, step, occ, gather, gi)
+            return PARKED
+        # parking a plain output read, inlined: the hot path of every read
+        key = trap.key
+        w = (block.order, block, trap, step, occ, None, 0)
+        lst = self.waits.get(key)
+        if lst is None:
+            self.waits[key] = [w]
+        else:
+            lst.append(w)
+            if lst[-2][0] > block.order:
+                lst.sort(key=_order_of)
+        refs = self._refs_out
+        r = refs[index]
+        refs[index] = r + 1
+        if not r:
+            self.hot_out.add(index)
         return PARKED
 
     def _on_write(self, block: Block, write):
@@ -337,6 +413,8 @@ class Interleaver:
         occ = target.occ
         step = block.step
         v = self.serving
+        if v is None and self.slot is not None and self.slot.in_visit:
+            v = _FastVisit(self.slot)
         if (
             v is not None
             and v.index == target.index
@@ -384,7 +462,7 @@ class Interleaver:
                 if got is PARKED:
                     continue
                 if type(got) is _Throw:
-                    self._unpark(block)
+                    self._unpark(block, gather)
                     return got
                 state.values[i] = got
             elif trap == SLOT:
@@ -394,7 +472,7 @@ class Interleaver:
                     item._waiters.append((self, block, state, i))
                     continue
             else:
-                self._unpark(block)
+                self._unpark(block, gather)
                 for other in items:
                     if getattr(other, "TRAP", None) is None and hasattr(other, "close"):
                         other.close()  # a rejected coroutine: no never-awaited warning
@@ -418,45 +496,54 @@ class Interleaver:
             lst.append(w)
             if lst[-2][0] > block.order:
                 lst.sort(key=_order_of)
-        if gather is None:
-            block.records = [(key, w)]
-        else:
-            block.records.append((key, w))
-        refs = self._hot_refs
-        r = refs[index]
-        refs[index] = r + 1
-        if not r:
-            self.hot.add(index)
+        self._ref(index, key & 3)
 
-    def _unpark(self, block: Block) -> None:
+    def _unpark(self, block: Block, trap: Any = None) -> None:
         """Remove every wait of ``block`` (all items of a gather, say) from the wait lists."""
-        records = block.records
-        if not records:
+        if trap is None:
+            trap = block.waiting
+        kind = getattr(trap, "TRAP", None)
+        if kind == READ:
+            keys: tuple = (trap.key,)
+        elif kind == WRITE:
+            keys = (trap.target.key,)
+        elif kind == GATHER:
+            keys = tuple({i.key for i in trap.items if getattr(i, "TRAP", None) == READ})
+        else:
             return
         waits = self.waits
-        for key, w in records:
+        for key in keys:
             lst = waits.get(key)
-            if lst is not None:
-                try:
-                    lst.remove(w)
-                except ValueError:
-                    continue
-                if not lst:
+            if not lst:
+                continue
+            kept = [w for w in lst if w[1] is not block]
+            removed = len(lst) - len(kept)
+            if removed:
+                if kept:
+                    waits[key] = kept
+                else:
                     del waits[key]
-                self._unref(key >> 2)
-        block.records = []
+                self._unref(key >> 2, key & 3, removed)
 
-    def _ref(self, index: int) -> None:
-        r = self._hot_refs[index]
-        self._hot_refs[index] = r + 1
-        if r == 0:
-            self.hot.add(index)
+    def _ref(self, index: int, kind: int, n: int = 1) -> None:
+        if kind == OUTPUT:
+            refs, hot = self._refs_out, self.hot_out
+        else:
+            refs, hot = self._refs_in, self.hot_in
+        r = refs[index]
+        refs[index] = r + n
+        if not r:
+            hot.add(index)
 
-    def _unref(self, index: int) -> None:
-        r = self._hot_refs[index] - 1
-        self._hot_refs[index] = r
-        if r == 0:
-            self.hot.discard(index)
+    def _unref(self, index: int, kind: int, n: int = 1) -> None:
+        if kind == OUTPUT:
+            refs, hot = self._refs_out, self.hot_out
+        else:
+            refs, hot = self._refs_in, self.hot_in
+        r = refs[index] - n
+        refs[index] = r
+        if not r:
+            hot.discard(index)
 
     def _passed(self, index: int, kind: int, step: int, occ: int) -> bool:
         if step != self.step:
@@ -492,12 +579,33 @@ class Interleaver:
         counts[index] = n + 1
         key = index * 4 + 2
         lst = self.waits.get(key)
+        self.position = (index, OUTPUT, n)
         if lst is None:
-            self.position = (index, OUTPUT, n)
             return out
+        if len(lst) == 1 and self.serving is None and self.publish is None:
+            # the common case: one plain read of this very call, by a block that sees the batch
+            order, block, trap, step, occ, gather, _ = lst[0]
+            if occ == n and step == self.step and gather is None and block.rows is None:
+                if trap.TRAP == READ and not trap.keys:
+                    del self.waits[key]
+                    refs = self._refs_out
+                    r = refs[index] - 1
+                    refs[index] = r
+                    if not r:
+                        self.hot_out.discard(index)
+                    v = self._visit
+                    v.index, v.n, v.stage, v.out = index, n, OUTPUT, out
+                    self.serving = v
+                    try:
+                        self._resume(block, out, None)
+                        if self.ready:
+                            self.serve()
+                    finally:
+                        self.serving = None
+                    out, v.out = v.out, None
+                    return out
         v = _Visit(index, n, OUTPUT, out=out)
         prev, self.serving = self.serving, v
-        self.position = (index, OUTPUT, n)
         try:
             self._serve_waits(v, OUTPUT, key, lst)
             if self.ready:
@@ -534,17 +642,11 @@ class Interleaver:
             del self.waits[key]
         else:
             self.waits[key] = [w for w in lst if not (w[4] == n and w[3] == step)]
-        index = v.index
-        refs = self._hot_refs
-        r = refs[index] - len(due)
-        refs[index] = r
-        if not r:
-            self.hot.discard(index)
+        self._unref(v.index, kind, len(due))
         for _, block, trap, _, _, gather, gi in due:
             if block.done:
                 continue
             if gather is not None:
-                block.records = [rec for rec in block.records if rec[0] != key or rec[1][2] is not trap]
                 try:
                     value = self._read_value(block, v, trap)
                 except Exception as err:
@@ -553,7 +655,6 @@ class Interleaver:
                     continue
                 self.wake(block, value, gather, gi)
                 continue
-            block.records = []
             if trap.TRAP == WRITE:
                 try:
                     self._apply_write(block, v, trap)
@@ -599,6 +700,8 @@ class Interleaver:
     def _begin_step(self) -> None:
         if self.steps_begun:
             self.step += 1
+            if self.slot is not None:
+                self.slot.step = self.step
             n = len(self.counts)
             self.counts[:] = [0] * n  # in place: the controllers hold this list
             self.seen_in = [-1] * n
@@ -719,6 +822,8 @@ class Interleaver:
         pos = self.position
         if isinstance(pos, str):
             return pos
+        if isinstance(pos, Read):
+            return pos.describe()
         index, kind, n = pos
         return self._name(index, kind) + (f" (call {n})" if n else "")
 

@@ -33,12 +33,19 @@ class Node:
         d["module_type"] = module_type
         d["_index"] = index
         d["_children"] = {}
+        d["_ordered"] = []  # children in order when they are named 0..n-1, else None
         d["output"] = Location(index, OUTPUT, path)
         d["input"] = Location(index, INPUT, path)
         d["inputs"] = Location(index, INPUTS, path)
 
     def _add(self, name: str, child: Node) -> None:
         self._children[name] = child
+        ordered = self._ordered
+        if ordered is not None:
+            if name == str(len(ordered)):
+                ordered.append(child)
+            else:
+                self.__dict__["_ordered"] = None
         if name.isidentifier() and name not in RESERVED:
             self.__dict__[name] = child
 
@@ -60,6 +67,10 @@ class Node:
         raise PathError(_unknown(self, name))
 
     def __getitem__(self, key: int | str) -> Node:
+        if type(key) is int:
+            ordered = self._ordered  # a ModuleList / Sequential: children named 0..n-1 in order
+            if ordered is not None and -len(ordered) <= key < len(ordered):
+                return ordered[key]
         children = self._children
         if isinstance(key, int):
             n = len(children)

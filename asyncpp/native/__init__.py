@@ -57,7 +57,12 @@ def load() -> ModuleType:
         if _error is not None:
             raise _error
         try:
-            _module = _build()
+            module = _build()
+            from ..kernel.interleaver import Block, Interleaver
+            from ..locations.location import Location
+
+            module.set_types(Location, Block, Interleaver)  # the fast path recognises plain reads by type
+            _module = module
         except Exception as err:
             _error = TLSBuildError(
                 "asyncpp could not build its native extension (csrc/: the torch thread-local-state "

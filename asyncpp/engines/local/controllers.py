@@ -12,7 +12,8 @@ here do the same, slower, when it is switched off (``ASYNCPP_TLS_SWAP=0``).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -22,16 +23,20 @@ from ...native import enabled, load
 class PyRunSlot:
     """The run a model's controllers serve (the Python twin of the native ``RunSlot``)."""
 
-    __slots__ = ("kernel", "hot", "counts", "bypass")
+    __slots__ = ("kernel", "hot_in", "hot_out", "counts", "bypass", "step", "fast", "in_visit")
 
     def __init__(self):
+        self.step = 0
+        self.fast = self.in_visit = False  # the single-read fast path is native only
         self.kernel: Any = None
-        self.hot: set = set()
+        self.hot_in: set = set()
+        self.hot_out: set = set()
         self.counts: list = []
         self.bypass = False
 
-    def activate(self, kernel: Any, hot: set, counts: list) -> None:
-        self.kernel, self.hot, self.counts, self.bypass = kernel, hot, counts, False
+    def activate(self, kernel: Any) -> None:
+        self.kernel, self.hot_in, self.hot_out = kernel, kernel.hot_in, kernel.hot_out
+        self.counts, self.bypass = kernel.counts, False
 
     def deactivate(self) -> None:
         self.kernel, self.bypass = None, False
@@ -42,10 +47,10 @@ def py_controller(slot: PyRunSlot, index: int, forward: Callable, replaced: Any)
         kernel = slot.kernel
         if kernel is None or slot.bypass:
             return forward(*args, **kwargs)
-        if index in slot.hot:
+        if index in slot.hot_in:
             return kernel.visit(index, forward, args, kwargs)
         out = forward(*args, **kwargs)
-        if index in slot.hot:  # a block started waiting on this call's output while it ran
+        if index in slot.hot_out:  # a block waits on this call's output (perhaps since it began)
             return kernel.visit_output(index, out)
         slot.counts[index] += 1
         return out
@@ -105,7 +110,7 @@ class Controllers:
             self._entries.append((module.__dict__, make(self.slot, index, forward, own), own))
 
     def install(self, kernel: Any) -> None:
-        self.slot.activate(kernel, kernel.hot, kernel.counts)
+        self.slot.activate(kernel)
         self._install(self._entries)
 
     def remove(self) -> None:
