@@ -10,7 +10,7 @@ from typing import Any
 from ..locations.tree import Root
 
 
-@dataclass
+@dataclass(slots=True)
 class InvokeSpec:
     """One invoke: its input (None for the whole batch), its block and the block's arguments."""
 
@@ -32,7 +32,16 @@ class RunSpec:
     model_kwargs: dict = field(default_factory=dict)
 
 
-@dataclass
+class Deferred:
+    """A value an engine computes only if the user asks for it (an invoke's rows of the output)."""
+
+    __slots__ = ()
+
+    def resolve(self) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
 class InvokeOutcome:
     """What one invoke produced: its block's result or error, and its rows of the model output."""
 

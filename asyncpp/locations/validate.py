@@ -11,13 +11,11 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-import weakref
 from collections.abc import Callable
 
 from ..kernel.errors import PathError
 from .tree import RESERVED, Node, Root, _unknown
 
-_checked: weakref.WeakKeyDictionary[Root, set] = weakref.WeakKeyDictionary()
 _STOP = RESERVED | {"at", "set", "find", "children"}
 
 
@@ -26,7 +24,9 @@ def check_block_paths(block: Callable, tree: Root) -> None:
     code = getattr(block, "__code__", None)
     if code is None:
         return
-    seen = _checked.setdefault(tree, set())
+    seen = tree.__dict__.get("_checked_codes")
+    if seen is None:
+        seen = tree.__dict__["_checked_codes"] = set()
     if code in seen:
         return
     try:

@@ -14,25 +14,41 @@ from typing import Any
 
 from torch import nn
 
-from ..engines.base import Engine, InvokeSpec, RunOutcome, RunSpec
+from ..engines.base import Deferred, Engine, InvokeSpec, RunOutcome, RunSpec
 from ..kernel.errors import AsyncppError
 from ..locations.validate import check_block_paths
 
 _PENDING = object()
+_CO_COROUTINE = inspect.CO_COROUTINE
+
+
+def _is_async(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    if code is not None and type(fn).__name__ == "function":
+        return bool(code.co_flags & _CO_COROUTINE)
+    return inspect.iscoroutinefunction(fn)
 
 
 class Invoke:
     """The handle of one invoke: its block's result, once the trace has run."""
 
-    __slots__ = ("index", "name", "_result", "_error", "output", "tokens")
+    __slots__ = ("index", "name", "_result", "_error", "_output", "tokens")
 
     def __init__(self, index: int, name: str):
         self.index = index
         self.name = name
         self._result: Any = _PENDING
         self._error: BaseException | None = None
-        self.output: Any = None  # this invoke's rows of the model's output (forward runs)
+        self._output: Any = None
         self.tokens: Any = None  # the tokens generated for this invoke's rows (generate runs)
+
+    @property
+    def output(self) -> Any:
+        """This invoke's rows of the model's output (forward runs), or None."""
+        out = self._output
+        if isinstance(out, Deferred):
+            out = self._output = out.resolve()
+        return out
 
     @property
     def result(self) -> Any:
@@ -79,7 +95,7 @@ class Trace:
             raise AsyncppError("this trace has already run; start a new one")
         if block is None and callable(input) and not isinstance(input, nn.Module):
             input, block = None, input
-        if block is None or not inspect.iscoroutinefunction(block):
+        if block is None or not _is_async(block):
             what = getattr(block, "__name__", repr(block))
             raise TypeError(
                 f"invoke() needs an `async def` block taking the model as its first argument; got {what}"
@@ -126,7 +142,7 @@ class Trace:
         first = None
         for handle, o in zip(self._handles, outcome.invokes):
             handle._result, handle._error = o.result, o.error
-            handle.output, handle.tokens = o.output, o.tokens
+            handle._output, handle.tokens = o.output, o.tokens
             if o.error is not None and first is None:
                 first = (handle, o.error)
         if outcome.error is not None:

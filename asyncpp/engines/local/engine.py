@@ -19,11 +19,37 @@ from ...kernel.batching import narrow
 from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree
 from ...trace.bridge import ModelThread, run_on_thread
-from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
+from ..base import Deferred, Engine, InvokeOutcome, RunOutcome, RunSpec
 from .controllers import Controllers
 from .inputs import InputError, lm_batch, tensor_batch, token_rows
 
 _UNSET = object()
+
+
+class _Labels:
+    """The error-message names of the invokes with input, made only when an error needs one."""
+
+    def __init__(self, invokes: list, given: list[int]):
+        self._invokes, self._given = invokes, given
+
+    def __getitem__(self, k: int) -> str:
+        i = self._given[k]
+        return f"invoke #{i} ({self._invokes[i].name})"
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self._given)))
+
+
+class _RowsOf(Deferred):
+    """An invoke's rows of the model output, narrowed when first asked for (see Invoke.output)."""
+
+    __slots__ = ("out", "rows", "batch")
+
+    def __init__(self, out: Any, rows: tuple[int, int] | None, batch: int):
+        self.out, self.rows, self.batch = out, rows, batch
+
+    def resolve(self) -> Any:
+        return narrow(self.out, self.rows, self.batch)
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
@@ -130,7 +156,7 @@ class LocalEngine(Engine):
                     seq = out if r is None else out[r[0] : r[1]]
                     o.tokens = seq[:, prompt_len:].clone()
                 else:
-                    o.output = narrow(out, rows[order], batch_size)
+                    o.output = _RowsOf(out, rows[order], batch_size)
         return outcome
 
     def _prepare(self, spec: RunSpec):
@@ -139,7 +165,7 @@ class LocalEngine(Engine):
         given = [i for i, inv in enumerate(invokes) if inv.input is not None]
         if not given:
             raise InputError("the trace has no input: give at least one invoke an input")
-        where = [f"invoke #{i} ({invokes[i].name})" for i in given]
+        where = _Labels(invokes, given)  # "invoke #i (block)" for error messages, built on demand
         rows: list[tuple[int, int] | None] = [None] * len(invokes)
         model = self.model
         prompt_len = 0

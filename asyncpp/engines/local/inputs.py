@@ -63,20 +63,22 @@ def lm_batch(rows: list[list[int]], pad_id: int) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def tensor_batch(values: list[Any], where: list[str]) -> tuple[tuple, list[int]]:
+def tensor_batch(values: list[Any], where: Any) -> tuple[tuple, list[int]]:
     """Concatenate per-invoke positional tensors along dim 0; return args and each invoke's rows."""
-    parts = [v if isinstance(v, tuple) else (v,) for v in values]
+    parts = [v if type(v) is tuple else (v,) for v in values]
     arity = len(parts[0])
-    for p, w in zip(parts, where):
+    sizes = []
+    for k, p in enumerate(parts):
         if len(p) != arity or not all(isinstance(x, Tensor) and x.dim() > 0 for x in p):
             raise InputError(
-                f"{w}: every invoke must pass the same number of tensors (with a batch dimension)"
+                f"{where[k]}: every invoke must pass the same number of tensors (with a batch dimension)"
             )
-    sizes = [p[0].shape[0] for p in parts]
+        sizes.append(p[0].shape[0])
     if len(parts) == 1:
         return parts[0], sizes
     try:
-        args = tuple(torch.cat([p[i] for p in parts]) for i in range(arity))
+        if arity == 1:
+            return (torch.cat([p[0] for p in parts]),), sizes
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(arity)), sizes
     except RuntimeError as err:
         raise InputError(f"invoke inputs cannot be batched along dimension 0: {err}") from None
-    return args, sizes
