@@ -88,12 +88,8 @@ int slot_traverse(PyObject* o, visitproc visit, void* arg) {
   return 0;
 }
 
-int slot_clear(PyObject* o) {
-  auto* s = reinterpret_cast<RunSlot*>(o);
-  Py_CLEAR(s->kernel);
-  Py_CLEAR(s->hot_in);
-  Py_CLEAR(s->hot_out);
-  Py_CLEAR(s->counts);
+// Drop what the slot holds of the run it served (bound methods, the kernel's structures).
+void drop_run(RunSlot* s) {
   Py_CLEAR(s->visit);
   Py_CLEAR(s->visit_output);
   Py_CLEAR(s->waits);
@@ -104,6 +100,17 @@ int slot_clear(PyObject* o) {
   Py_CLEAR(s->fail);
   Py_CLEAR(s->serve);
   Py_CLEAR(s->visit_out);
+  s->fast = s->in_visit = 0;
+  s->bypass = 0;
+}
+
+int slot_clear(PyObject* o) {
+  auto* s = reinterpret_cast<RunSlot*>(o);
+  Py_CLEAR(s->kernel);
+  Py_CLEAR(s->hot_in);
+  Py_CLEAR(s->hot_out);
+  Py_CLEAR(s->counts);
+  drop_run(s);
   return 0;
 }
 
@@ -200,18 +207,7 @@ PyObject* slot_deactivate(PyObject* o, PyObject*) {
   auto* s = reinterpret_cast<RunSlot*>(o);
   Py_INCREF(Py_None);
   Py_SETREF(s->kernel, Py_None);
-  Py_CLEAR(s->visit);
-  Py_CLEAR(s->visit_output);
-  Py_CLEAR(s->waits);
-  Py_CLEAR(s->refs_out);
-  Py_CLEAR(s->ready);
-  Py_CLEAR(s->resume);
-  Py_CLEAR(s->complete);
-  Py_CLEAR(s->fail);
-  Py_CLEAR(s->serve);
-  Py_CLEAR(s->visit_out);
-  s->fast = s->in_visit = 0;
-  s->bypass = 0;
+  drop_run(s);
   Py_RETURN_NONE;
 }
 

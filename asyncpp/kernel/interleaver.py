@@ -359,49 +359,34 @@ class Interleaver:
     # ----------------------------------------------------------------------------------------
     # trap handlers: each returns a value to send back, a _Throw, or PARKED
 
-    def _on_read(self, block: Block, trap: Read, gather: _GatherState | None = None, gi: int = 0):
-        occ = trap.occ
-        index = trap.index
-        step = block.step
+    def _visit_of(self, target: Read, step: int) -> _Visit | None:
+        """The visit being served, if ``target`` (at ``step``) is one of its locations."""
         v = self.serving
         if v is None and self.slot is not None and self.slot.in_visit:
             v = _FastVisit(self.slot)
         if (
             v is not None
-            and v.index == index
-            and v.n == occ
+            and v.index == target.index
+            and v.n == target.occ
             and step == self.step
-            and v.stage == (OUTPUT if trap.kind == OUTPUT else INPUT)
+            and v.stage == _stage(target.kind)
         ):
+            return v
+        return None
+
+    def _on_read(self, block: Block, trap: Read, gather: _GatherState | None = None, gi: int = 0):
+        step = block.step
+        v = self._visit_of(trap, step)
+        if v is not None:
             return self._read_value(block, v, trap)  # a location of the visit being served
+        occ = trap.occ
         if self.intercept is not None:
             got = self.intercept(block, trap, step, occ)
             if got is not MISS:
                 return got
-        if step == self.step:
-            count = self.counts[index]
-            if occ < count or (occ == count and trap.kind != OUTPUT and self.seen_in[index] == occ):
-                return _Throw(self._order_error(trap, step))
-        elif step < self.step:
+        if self._passed(trap.index, trap.kind, step, occ):
             return _Throw(self._order_error(trap, step))
-        if gather is not None or trap.kind != OUTPUT:
-            self._park(block, trap, trap.key, index, step, occ, gather, gi)
-            return PARKED
-        # parking a plain output read, inlined: the hot path of every read
-        key = trap.key
-        w = (block.order, block, trap, step, occ, None, 0)
-        lst = self.waits.get(key)
-        if lst is None:
-            self.waits[key] = [w]
-        else:
-            lst.append(w)
-            if lst[-2][0] > block.order:
-                lst.sort(key=_order_of)
-        refs = self._refs_out
-        r = refs[index]
-        refs[index] = r + 1
-        if not r:
-            self.hot_out.add(index)
+        self._park(block, trap, trap.key, trap.index, step, occ, gather, gi)
         return PARKED
 
     def _on_write(self, block: Block, write):
@@ -412,16 +397,8 @@ class Interleaver:
         target = write.target
         occ = target.occ
         step = block.step
-        v = self.serving
-        if v is None and self.slot is not None and self.slot.in_visit:
-            v = _FastVisit(self.slot)
-        if (
-            v is not None
-            and v.index == target.index
-            and v.n == occ
-            and step == self.step
-            and v.stage == _stage(target.kind)
-        ):
+        v = self._visit_of(target, step)
+        if v is not None:
             try:
                 self._apply_write(block, v, write)
             except Exception as err:
