@@ -108,3 +108,29 @@ def test_slot_set_twice_is_an_error(mlp):
     with pytest.raises(asyncpp.SlotError, match="already set"):
         with asyncpp.trace(mlp) as t:
             t.invoke(torch.randn(1, 8), twice, asyncpp.Slot())
+
+
+def test_block_woken_by_a_slot_runs_within_the_same_visit(mlp):
+    # `setter` is the only (whole-batch) reader of layer 1, the case the native fast path serves;
+    # the slot it sets wakes `waiter`, which must still run inside that visit of layer 1.
+    x = torch.randn(2, 8)
+
+    async def waiter(m, slot):
+        value = await slot
+        after = await m[2].output  # still ahead: the model is inside layer 1's visit
+        return value, after
+
+    async def setter(m, slot):
+        h = await m[1].output
+        slot.set(h.clone())
+        again = await m[1].output  # the visit being served: its value at once
+        return torch.equal(again, h)
+
+    slot = asyncpp.Slot("h1")
+    with asyncpp.trace(mlp) as t:
+        w = t.invoke(x, waiter, slot)
+        s = t.invoke(setter, slot)
+    value, after = w.result
+    assert s.result is True
+    assert torch.allclose(value, mlp[:2](x))
+    assert torch.allclose(after, mlp[:3](x))

@@ -89,11 +89,13 @@ class Trace:
     ) -> Invoke:
         """Add an invoke: ``block(m, *args, **kwargs)`` runs on ``input``'s rows of the batch.
 
-        ``t.invoke(block)`` (no input) gives a block that sees the whole batch.
+        ``t.invoke(block, *args)`` (no input) gives a block that sees the whole batch.
         """
         if self._ran:
             raise AsyncppError("this trace has already run; start a new one")
-        if block is None and callable(input) and not isinstance(input, nn.Module):
+        if _is_async(input):  # t.invoke(block, *args): no input, the block sees the whole batch
+            if block is not None:
+                args = (block, *args)
             input, block = None, input
         if block is None or not _is_async(block):
             what = getattr(block, "__name__", repr(block))
