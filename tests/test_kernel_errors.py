@@ -200,3 +200,26 @@ def test_block_must_be_async(mlp):
     with pytest.raises(TypeError, match="async def"):
         with asyncpp.trace(mlp) as t:
             t.invoke(torch.randn(1, 8), not_async)
+
+
+def test_trace_on_the_same_model_from_inside_a_block_is_refused(mlp):
+    async def inner(m):
+        return await m[0].output
+
+    async def outer(m):
+        await m[0].output
+        with asyncpp.trace(mlp) as t:
+            t.invoke(torch.randn(1, 8), inner)
+
+    with pytest.raises(asyncpp.AsyncppError, match="would wait for itself"):
+        with asyncpp.trace(mlp) as t:
+            t.invoke(torch.randn(1, 8), outer)
+
+
+def test_trace_on_a_temporary_module():
+    async def block(m):
+        return await m.output
+
+    with asyncpp.trace(torch.nn.Linear(4, 4)) as t:
+        h = t.invoke(torch.randn(1, 4), block)
+    assert h.result.shape == (1, 4)

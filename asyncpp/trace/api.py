@@ -79,6 +79,7 @@ class Trace:
 
     def __init__(self, engine: Engine, spec: RunSpec):
         self.engine = engine
+        self._target: Any = engine
         self._spec = spec
         self._handles: list[Invoke] = []
         self._ran = False
@@ -173,7 +174,9 @@ def trace(target: Engine | nn.Module, *, grad: bool = False, **model_kwargs: Any
     :param grad: run the forward with autograd enabled (default: ``torch.no_grad()``).
     :param model_kwargs: extra keyword arguments for the model call.
     """
-    return Trace(_engine_for(target), RunSpec([], grad=grad, model_kwargs=model_kwargs))
+    t = Trace(_engine_for(target), RunSpec([], grad=grad, model_kwargs=model_kwargs))
+    t._target = target  # a module's shared engine holds it weakly: the trace keeps it alive
+    return t
 
 
 def generate(
@@ -186,4 +189,6 @@ def generate(
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     spec = RunSpec([], generate=True, max_new_tokens=max_new_tokens, grad=grad, model_kwargs=generate_kwargs)
-    return Trace(_engine_for(target), spec)
+    t = Trace(_engine_for(target), spec)
+    t._target = target
+    return t

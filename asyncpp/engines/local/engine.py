@@ -16,6 +16,7 @@ from torch import nn
 
 from ... import tls
 from ...kernel.batching import narrow
+from ...kernel.errors import AsyncppError
 from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree
 from ...trace.bridge import ModelThread, run_on_thread
@@ -126,7 +127,14 @@ class LocalEngine(Engine):
             slot=self._controllers.slot,
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
-        with self._lock:
+        lock = self._lock
+        if lock.owner == threading.get_ident():
+            raise AsyncppError(
+                f"a trace on {type(self.model).__name__} was started while a run on that same model "
+                f"is in progress on this thread (from inside one of its blocks?); the run would wait "
+                f"for itself forever. Start the second trace after the first one, or on another model"
+            )
+        with lock:
             self._controllers.install(kernel)
             try:
                 with kernel.active(), torch.set_grad_enabled(spec.grad):
@@ -210,14 +218,34 @@ class LocalEngine(Engine):
 
 
 _engines: weakref.WeakKeyDictionary[nn.Module, LocalEngine] = weakref.WeakKeyDictionary()
-_locks: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+class _ModelLock:
+    """Serializes runs on one model, and knows which thread runs it (to refuse re-entry)."""
+
+    __slots__ = ("_lock", "owner")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.owner = None
+        self._lock.release()
+
+
+_locks: weakref.WeakKeyDictionary[nn.Module, _ModelLock] = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
 
 
-def _model_lock(model: nn.Module) -> threading.Lock:
+def _model_lock(model: nn.Module) -> _ModelLock:
     """The lock that serializes runs on ``model`` across every engine built on it."""
     with _locks_guard:
         lock = _locks.get(model)
         if lock is None:
-            lock = _locks[model] = threading.Lock()
+            lock = _locks[model] = _ModelLock()
         return lock
