@@ -437,6 +437,15 @@ int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
       Py_XDECREF(done);
     }
     Py_XDECREF(msg);
+    if (handoff) {  // the kernel's _resume handles it, with the block's state still entered
+      if (status == 0) {
+        PyObject* args[5] = {block, Py_None, Py_None, handoff, Py_True};
+        PyObject* done = PyObject_Vectorcall(s->resume, args, 5, nullptr);
+        if (!done) status = -1;
+        Py_XDECREF(done);
+      }
+      Py_DECREF(handoff);
+    }
     s->bypass = outer_bypass;
     if (state != Py_None) {
       PyObject *et, *ev, *etb;
@@ -449,16 +458,6 @@ int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
       } else {
         PyErr_Restore(et, ev, etb);
       }
-    }
-    if (handoff) {  // the kernel's own _resume enters the block's state again and handles it
-      slot_set(kernel, ker_off.current, prev);
-      if (status == 0) {
-        PyObject* args[4] = {block, Py_None, Py_None, handoff};
-        PyObject* done = PyObject_Vectorcall(s->resume, args, 4, nullptr);
-        if (!done) status = -1;
-        Py_XDECREF(done);
-      }
-      Py_DECREF(handoff);
     }
   }
   slot_set(kernel, ker_off.current, prev);

@@ -13,13 +13,14 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include "asyncpp_native.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
 
 namespace {
 
-constexpr size_t kWords = 11;
+constexpr size_t kWords = 11;  // see fingerprint()
 using Fingerprint = std::array<uint64_t, kWords>;
 
 int autocast_nesting() {
@@ -35,6 +36,12 @@ void set_autocast_nesting(int target) {
 
 uint64_t ptr_bits(const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); }
 
+// Words 0..3 summarise the "simple" state (dispatch-key sets, autograd modes, autocast dtypes, cache
+// and nesting): what no_grad, inference_mode and autocast change, which can be set field by field.
+// Words 4.. summarise the rest (mode stacks, saved-tensor hooks, python dispatcher, callbacks),
+// which only a full at::ThreadLocalState capture and restore can carry.
+constexpr size_t kSimpleWords = 4;
+
 Fingerprint fingerprint() {
   Fingerprint f{};
   const auto keys = c10::impl::tls_local_dispatch_key_set();
@@ -44,9 +51,7 @@ Fingerprint fingerprint() {
   f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
          ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
          ((uint64_t)ag.get_view_replay_enabled() << 4) |
-         ((uint64_t)at::autocast::is_autocast_cache_enabled() << 5) |
-         ((uint64_t)at::SavedTensorDefaultHooks::is_enabled() << 6) |
-         ((uint64_t)at::hasThreadLocalCallbacks() << 7);
+         ((uint64_t)at::autocast::is_autocast_cache_enabled() << 5);
   f[3] = (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU)) |
          ((uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA)) << 16) |
          ((uint64_t)static_cast<uint32_t>(autocast_nesting()) << 32);
@@ -58,28 +63,59 @@ Fingerprint fingerprint() {
   f[7] = dm_len ? ptr_bits(c10::impl::TorchDispatchModeTLS::get_stack_at(dm_len - 1).get()) : 0;
   f[8] = ptr_bits(c10::impl::PythonDispatcherTLS::get_state());
   const auto& hooks = at::SavedTensorDefaultHooks::get_tls_state().stack;
-  f[9] = hooks.size();
+  f[9] = hooks.size() | ((uint64_t)at::SavedTensorDefaultHooks::is_enabled() << 48) |
+         ((uint64_t)at::hasThreadLocalCallbacks() << 49);
   f[10] = hooks.empty() ? 0 : ptr_bits(&hooks.top());
   // c10::ThreadLocalDebugInfo is left out: reading it copies a shared_ptr (atomics) at every
   // switch, and only C++ code (profilers) sets it; a full capture still carries it.
   return f;
 }
 
+bool same_complex(const Fingerprint& a, const Fingerprint& b) {
+  return std::equal(a.begin() + kSimpleWords, a.end(), b.begin() + kSimpleWords);
+}
+
+// The simple part of the state, captured and applied field by field (tens of nanoseconds).
+struct Simple {
+  c10::impl::LocalDispatchKeySet keys;
+  c10::AutogradState autograd;
+  at::ScalarType cpu_dtype, cuda_dtype;
+  bool cache;
+  int nesting;
+
+  Simple()
+      : keys(c10::impl::tls_local_dispatch_key_set()),
+        autograd(c10::AutogradState::get_tls_state()),
+        cpu_dtype(at::autocast::get_autocast_dtype(at::kCPU)),
+        cuda_dtype(at::autocast::get_autocast_dtype(at::kCUDA)),
+        cache(at::autocast::is_autocast_cache_enabled()),
+        nesting(autocast_nesting()) {}
+
+  void apply() const {
+    c10::impl::_force_tls_local_dispatch_key_set(keys);
+    c10::AutogradState::set_tls_state(autograd);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+    at::autocast::set_autocast_cache_enabled(cache);
+    set_autocast_nesting(nesting);
+  }
+};
+
 // The torch state of one block.
 struct BlockState {
-  at::ThreadLocalState state;  // the block's own state (captured when it last changed)
-  int nesting;                 // autocast nesting depth, which ThreadLocalState leaves out
+  at::ThreadLocalState state;  // the block's full state (its simple part may be older than `simple`)
+  Simple simple;               // the block's simple state, always current
   Fingerprint fp;
   // set while the block runs:
-  std::optional<at::ThreadLocalState> outer;  // the thread's state at a slow entry
-  int outer_nesting = 0;
-  Fingerprint outer_fp{};
+  enum class Entry { fast, simple, full } entry = Entry::fast;
+  std::optional<at::ThreadLocalState> outer;  // the thread's full state at a full entry
+  std::optional<Simple> outer_simple;         // the thread's simple state at a non-fast entry
   bool inside = false;
-  uint64_t slow_entries = 0;  // for the benchmark: entries that had to copy state
+  uint64_t slow_entries = 0;  // for the benchmark: entries that had to install another state
   uint64_t captures = 0;      // leaves where the block had changed its state
 
-  BlockState() : state(), nesting(autocast_nesting()), fp(fingerprint()) {}
-  BlockState(const at::ThreadLocalState& s, int n, const Fingerprint& f) : state(s), nesting(n), fp(f) {}
+  BlockState() : state(), simple(), fp(fingerprint()) {}
+  BlockState(const BlockState& t) : state(t.state), simple(t.simple), fp(t.fp) {}
 };
 
 // Switch into a block: install its state on the calling thread.
@@ -87,15 +123,20 @@ void enter(BlockState& b) {
   TORCH_CHECK(!b.inside, "asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
   b.inside = true;
   Fingerprint now = fingerprint();
-  b.outer_fp = now;
   if (now == b.fp) {
-    return;  // fast path: the thread already has the block's state
+    b.entry = BlockState::Entry::fast;  // the thread already has the block's state
+    return;
   }
   b.slow_entries++;
-  b.outer.emplace();
-  b.outer_nesting = autocast_nesting();
-  at::ThreadLocalState::setThreadLocalState(b.state);
-  set_autocast_nesting(b.nesting);
+  b.outer_simple.emplace();
+  if (same_complex(now, b.fp)) {
+    b.entry = BlockState::Entry::simple;  // only grad / inference / autocast differ
+  } else {
+    b.entry = BlockState::Entry::full;
+    b.outer.emplace();
+    at::ThreadLocalState::setThreadLocalState(b.state);
+  }
+  b.simple.apply();
 }
 
 // Switch out of a block: keep what it changed, give the thread back its state.
@@ -104,30 +145,36 @@ void leave(BlockState& b) {
   b.inside = false;
   Fingerprint now = fingerprint();
   const bool changed = now != b.fp;
-  if (b.outer.has_value()) {
+  const bool complex_changed = changed && !same_complex(now, b.fp);
+  if (b.entry != BlockState::Entry::fast) {
     if (changed) {
-      b.state = at::ThreadLocalState();
-      b.nesting = autocast_nesting();
+      b.simple = Simple();
+      if (complex_changed) b.state = at::ThreadLocalState();
       b.fp = now;
       b.captures++;
     }
-    at::ThreadLocalState::setThreadLocalState(*b.outer);
-    set_autocast_nesting(b.outer_nesting);
-    b.outer.reset();
+    if (b.entry == BlockState::Entry::full) {
+      at::ThreadLocalState::setThreadLocalState(*b.outer);
+      b.outer.reset();
+    }
+    b.outer_simple->apply();
+    b.outer_simple.reset();
     return;
   }
   if (!changed) {
     return;  // fast path: nothing changed on either side
   }
   // the block changed its state after a fast entry: before that, its state was the thread's
-  at::ThreadLocalState previous = std::move(b.state);
-  const int previous_nesting = b.nesting;
-  b.state = at::ThreadLocalState();
-  b.nesting = autocast_nesting();
-  b.fp = now;
+  Simple previous_simple = b.simple;
+  b.simple = Simple();
   b.captures++;
-  at::ThreadLocalState::setThreadLocalState(previous);
-  set_autocast_nesting(previous_nesting);
+  if (complex_changed) {
+    at::ThreadLocalState previous = std::move(b.state);
+    b.state = at::ThreadLocalState();
+    at::ThreadLocalState::setThreadLocalState(previous);
+  }
+  b.fp = now;
+  previous_simple.apply();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -169,8 +216,8 @@ void state_dealloc(PyObject* o) {
 PyObject* state_fork(PyObject* o, PyObject*) {
   const BlockState& t = *reinterpret_cast<PyBlockState*>(o)->impl;
   try {
-    if (fingerprint() == t.fp && autocast_nesting() == t.nesting) {
-      return wrap(new BlockState(t.state, t.nesting, t.fp));
+    if (fingerprint() == t.fp) {
+      return wrap(new BlockState(t));
     }
     return wrap(new BlockState());
   } catch (const std::exception& e) {

@@ -8,6 +8,7 @@ they are. A block with ``rows=None`` sees the whole batch, untouched.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor
@@ -25,6 +26,9 @@ def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:
         return value
     if isinstance(value, (tuple, list, dict)):
         return _map(value, lambda x: narrow(x, rows, batch))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: narrow(getattr(value, f.name), rows, batch) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
     return value
 
 

@@ -66,6 +66,9 @@ class Block:
         "waiting",
         "writes",
         "state",
+        "req_step",
+        "req_rows",
+        "ended",
     )
     # state: the block's torch thread-local state (a BlockState of the switch), or None
 
@@ -81,6 +84,9 @@ class Block:
         self.waiting: Any = None  # the trap it is parked on (for errors and introspection)
         self.writes: list = []  # Write traps it created and has not awaited yet
         self.state: Any = None  # torch thread-local state owned by the switch hook
+        self.req_step = -1  # generation steps of its request begun so far, minus one
+        self.req_rows: tuple[int, int] | None = rows  # its rows of request-level values (logits)
+        self.ended = False  # its generation is over: step loops end, waits cannot be served
 
     def where(self) -> str:
         """File and line where the block is suspended."""
@@ -206,6 +212,9 @@ class Interleaver:
         "slot",
         "_visit",
         "finished",
+        "on_step",
+        "request_level",
+        "req_batch",
         "__weakref__",
     )
 
@@ -247,6 +256,12 @@ class Interleaver:
         self.slot = slot  # the engine's controller slot: .bypass is set while a block's code runs
         self._visit = _Visit(-1, -1, OUTPUT)  # reused by the single-read fast path
         self.finished = False
+        # engines that batch many requests (vLLM): on_step(step) is called as each forward begins
+        # and returns the blocks taking part (it sets their rows, and may start new blocks);
+        # request_level modules (logits, samples) have one row per request, req_batch of them
+        self.on_step: Callable[[int], list[Block]] | None = None
+        self.request_level: frozenset[int] = frozenset()
+        self.req_batch = batch_size
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
@@ -275,17 +290,19 @@ class Interleaver:
         self._resume(block, None, None)
         return block
 
-    def _resume(self, block: Block, value: Any, exc: BaseException | None, msg: Any = _NOTHING) -> None:
+    def _resume(
+        self, block: Block, value: Any, exc: BaseException | None, msg: Any = _NOTHING, entered: bool = False
+    ) -> None:
         """Step ``block`` until it parks or ends. The one place a block's code runs (the native
         fast path in csrc/controller.cpp repeats it for plain reads, and hands anything else here
-        as ``msg``: a trap the block has already yielded)."""
+        as ``msg``, a trap the block has already yielded, with the block's state still ``entered``)."""
         prev = self.current
         self.current = block
         block.waiting = None
-        state = block.state
+        state = None if entered else block.state
         if state is not None:
             self._enter(state)
-        slot = self.slot
+        slot = None if entered else self.slot
         if slot is not None:
             outer_bypass = slot.bypass
             slot.bypass = True
@@ -420,11 +437,14 @@ class Interleaver:
         return PARKED
 
     def _on_step(self, block: Block, gate):
-        target = gate.steps.first_at_or_after(max(gate.after, self.step))
+        if block.ended:
+            return END
+        current = block.req_step  # the block's request's step under way (-1: none yet)
+        target = gate.steps.first_at_or_after(max(gate.after, current, 0))
         if target is None:
             return END
-        if target == self.step and self.steps_begun > target:
-            block.step = target  # that step is under way: enter it at once
+        if target == current:
+            block.step = self.step  # that step is under way: enter it at once
             return target
         self._gates.append((block, gate, target))
         return PARKED
@@ -649,7 +669,9 @@ class Interleaver:
 
     def _read_value(self, block: Block, v: _Visit, trap: Read) -> Any:
         value = v.out if trap.kind == OUTPUT else v.get(trap.kind)
-        if block.rows is not None:
+        if v.index in self.request_level:
+            value = batching.narrow(value, block.req_rows, self.req_batch)
+        elif block.rows is not None:
             value = batching.narrow(value, block.rows, self.batch_size)
         if trap.keys:
             value = batching.get_item(value, trap.keys)
@@ -668,7 +690,11 @@ class Interleaver:
             v.skip = write.value
             return
         current = v.get(target.kind)
-        new = batching.put_at(current, target.keys, write.value, block.rows, self.batch_size, where)
+        if v.index in self.request_level:
+            rows, batch = block.req_rows, self.req_batch
+        else:
+            rows, batch = block.rows, self.batch_size
+        new = batching.put_at(current, target.keys, write.value, rows, batch, where)
         v.set(target.kind, new, where)
 
     # ----------------------------------------------------------------------------------------
@@ -685,17 +711,20 @@ class Interleaver:
             self._expire(lambda w: w[3] < self.step)
         self.steps_begun += 1
         self.position = f"the start of step {self.step}"
+        active = self.blocks if self.on_step is None else self.on_step(self.step)
+        for block in active:
+            block.req_step += 1
         gates, self._gates = self._gates, []
         due = []
         for entry in gates:
-            if entry[2] == self.step:
+            if entry[2] == entry[0].req_step:
                 due.append(entry)
             else:
                 self._gates.append(entry)
         due.sort(key=lambda e: e[0].order)
         for block, _, target in due:
             if not block.done:
-                block.step = target
+                block.step = self.step
                 self._resume(block, target, None)
         self.serve()
 
@@ -718,17 +747,29 @@ class Interleaver:
     def finish(self) -> None:
         """End the run: close step loops, fail waits never reached at their lines, close the rest."""
         self.finished = True
-        self.serve()
         self.position = "the end of the run"
+        self.finish_blocks(self.blocks)
+
+    def finish_blocks(self, blocks: list[Block]) -> None:
+        """End these blocks' generation (their request is over): step loops end and the code after
+        them runs, waits that can no longer be served fail at their lines, the rest is closed."""
+        self.serve()
+        blocks = sorted(blocks, key=lambda b: b.order)
+        mine = {id(b) for b in blocks}
+        for b in blocks:
+            b.ended = True
         gates, self._gates = self._gates, []
-        for block, _, _ in sorted(gates, key=lambda e: e[0].order):
+        for entry in gates:
+            if id(entry[0]) not in mine:
+                self._gates.append(entry)
+        for block, _, _ in sorted((e for e in gates if id(e[0]) in mine), key=lambda e: e[0].order):
             if not block.done:
                 self._resume(block, END, None)
         self.serve()
         for _ in range(3):  # a block may catch the error and wait again; give up after a few
-            if not any(not b.done for b in self.blocks):
+            if all(b.done for b in blocks):
                 break
-            for block in sorted(self.blocks, key=lambda b: b.order):
+            for block in blocks:
                 if block.done:
                     continue
                 err = self._describe_wait(block)
@@ -736,7 +777,7 @@ class Interleaver:
                 self._forget_slot_waits(block)
                 self._resume(block, None, err)
             self.serve()
-        for block in self.blocks:
+        for block in blocks:
             if not block.done:
                 self._close(block)
 
@@ -806,7 +847,7 @@ class Interleaver:
 
     def _order_error(self, trap: Read, step: int) -> OrderError:
         what = trap.describe()
-        if self.finished:
+        if self.finished or (self.current is not None and self.current.ended):
             return OrderError(
                 f"{what} cannot be awaited: the run has ended (generation is over), so the model "
                 f"will not run again in this trace"

@@ -147,27 +147,40 @@ class Root(Node):
 
 
 def build_tree(
-    model: nn.Module, aliases: dict[str, str] | None = None
+    model: nn.Module, aliases: dict[str, str] | None = None, extra: dict[str, nn.Module] | None = None
 ) -> tuple[Root, list[nn.Module], list[str]]:
-    """Index every module of ``model``; return the root node, modules and paths by index."""
+    """Index every module of ``model`` (and of ``extra``, mounted at the given top-level names);
+    return the root node, and the modules and their paths by index."""
     modules: list[nn.Module] = []
     paths: list[str] = []
-    nodes: dict[str, Node] = {}
-    root: Root | None = None
     for path, module in model.named_modules(remove_duplicate=True):
-        index = len(modules)
         modules.append(module)
         paths.append(path)
+    for name, sub in (extra or {}).items():
+        for path, module in sub.named_modules(prefix=name, remove_duplicate=True):
+            modules.append(module)
+            paths.append(path)
+    root = tree_from_paths([(p, type(m).__name__) for p, m in zip(paths, modules)], aliases)
+    return root, modules, paths
+
+
+def tree_from_paths(entries: list[tuple[str, str]], aliases: dict[str, str] | None = None) -> Root:
+    """The location tree of a module tree given as (path, type name) in index order, the root
+    ('') first: what a driver builds from the module list a remote worker reports."""
+    nodes: dict[str, Node] = {}
+    root: Root | None = None
+    for index, (path, type_name) in enumerate(entries):
         if not path:
-            root = Root(index, type(module).__name__, aliases)
+            root = Root(index, type_name, aliases)
             nodes[""] = root
             continue
         parent_path, _, name = path.rpartition(".")
-        node = Node(path, index, type(module).__name__)
+        node = Node(path, index, type_name)
         nodes[path] = node
         nodes[parent_path]._add(name, node)
-    assert root is not None
-    return root, modules, paths
+    if root is None:
+        raise ValueError("a module tree needs its root ('') first")
+    return root
 
 
 def _unknown(node: Node, name: str) -> str:
