@@ -36,6 +36,14 @@ from .trace.api import Invoke, Trace, generate, trace
 __version__ = "0.1.0"
 
 
+def __getattr__(name: str) -> Any:
+    if name == "VllmEngine":  # imported on first use: `import asyncpp` never imports vLLM
+        from .engines.vllm import VllmEngine
+
+        return VllmEngine
+    raise AttributeError(f"module 'asyncpp' has no attribute {name!r}")
+
+
 def gather(*awaitables: Any) -> Gather:
     """Wait on several locations (and slots) at once, in any order; returns their values as a list.
 
@@ -62,6 +70,7 @@ __all__ = [
     "SlotError",
     "TLSBuildError",
     "Trace",
+    "VllmEngine",
     "WriteError",
     "gather",
     "generate",

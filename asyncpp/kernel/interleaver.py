@@ -226,6 +226,7 @@ class Interleaver:
         step_index: int | None = None,
         switch: Any = None,
         slot: Any = None,
+        tls_template: Any = None,
     ):
         n = len(names)
         self.names = names  # module path per module index
@@ -252,7 +253,9 @@ class Interleaver:
         self.switch = switch  # the thread-local-state swap: BlockState(), enter(s), leave(s)
         self._enter = switch.enter if switch is not None else None
         self._leave = switch.leave if switch is not None else None
-        self._template = None  # the state blocks started at this run's start share
+        # the state new blocks start from is copied from this one when the thread still has it
+        # (engines keep one across runs: the thread's state at a run's start rarely changes)
+        self._template = tls_template
         self.slot = slot  # the engine's controller slot: .bypass is set while a block's code runs
         self._visit = _Visit(-1, -1, OUTPUT)  # reused by the single-read fast path
         self.finished = False
@@ -278,9 +281,19 @@ class Interleaver:
     # ----------------------------------------------------------------------------------------
     # starting and stepping blocks
 
-    def start(self, coro, order: int, rows: tuple[int, int] | None = None, name: str = "block") -> Block:
-        """Register a block coroutine and run it until its first wait."""
+    def start(
+        self,
+        coro,
+        order: int,
+        rows: tuple[int, int] | None = None,
+        name: str = "block",
+        req_rows: Any = _NOTHING,
+    ) -> Block:
+        """Register a block coroutine and run it until its first wait. ``rows`` are its rows of
+        the batch (None: all); ``req_rows`` its rows of request-level values (default: ``rows``)."""
         block = Block(coro, order, rows, name)
+        if req_rows is not _NOTHING:
+            block.req_rows = req_rows
         block.step = self.step
         self.blocks.append(block)
         if self.switch is not None:
@@ -780,6 +793,15 @@ class Interleaver:
         for block in blocks:
             if not block.done:
                 self._close(block)
+
+    def forget(self, block: Block) -> None:
+        """Drop a finished block from this interleaver (long-lived interleavers serve many)."""
+        if not block.done:
+            self._close(block)
+        self.blocks = [b for b in self.blocks if b is not block]
+        self._gates = [g for g in self._gates if g[0] is not block]
+        block.coro = None
+        block.state = None
 
     def close_all(self) -> None:
         """Close every unfinished block without running more of it (used when a run aborts)."""

@@ -19,7 +19,9 @@ from ..kernel.traps import INPUT, INPUTS, OUTPUT, SKIP, Write
 from .location import Location
 from .steps import Steps
 
-RESERVED = frozenset({"output", "input", "inputs", "skip", "steps", "logits", "path", "module_type"})
+RESERVED = frozenset(
+    {"output", "input", "inputs", "skip", "steps", "logits", "samples", "path", "module_type"}
+)
 
 
 class Node:
@@ -125,11 +127,19 @@ class Root(Node):
     @property
     def logits(self) -> Location:
         """The model's logits (the engine decides which module produces them)."""
-        path = self._aliases.get("logits")
+        return self._alias("logits")
+
+    @property
+    def samples(self) -> Location:
+        """The sampled tokens of a generation step (engines that sample: vLLM)."""
+        return self._alias("samples")
+
+    def _alias(self, name: str) -> Location:
+        path = self._aliases.get(name)
         if path is None:
             raise PathError(
-                f"this model has no logits location (a {self.module_type} without an lm_head); "
-                f"await m.output instead"
+                f"this model has no {name} location on this engine (a {self.module_type}); "
+                f"await m.output or a module's output instead"
             )
         return self.find(path).output
 

@@ -118,3 +118,27 @@ async def _trio_run(thread: ModelThread, fn: Callable[[], Any]) -> Any:
     if ok:
         return value
     raise value
+
+
+async def await_future(fut: Any) -> Any:
+    """Await a ``concurrent.futures.Future`` (set by another thread) from asyncio, uvloop or trio."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return await asyncio.wrap_future(fut)
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: Any) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+
+    fut.add_done_callback(wake)
+    await done.wait()
+    return fut.result()

@@ -117,6 +117,15 @@ class LocalEngine(Engine):
             self._switch = tls.get_switch()  # raises TLSBuildError when it cannot be built
         return self._switch
 
+    def _tls_template(self) -> Any:
+        switch = self.switch
+        if switch is None:
+            return None
+        template = self.__dict__.get("_template")
+        if template is None:
+            template = self._template = switch.BlockState()
+        return template
+
     def _execute(self, spec: RunSpec) -> RunOutcome:
         call, rows, batch_size, prompt_len = self._prepare(spec)
         kernel = Interleaver(
@@ -125,6 +134,7 @@ class LocalEngine(Engine):
             step_index=0,
             switch=self.switch,
             slot=self._controllers.slot,
+            tls_template=self._tls_template(),
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         lock = self._lock

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pickle
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 
