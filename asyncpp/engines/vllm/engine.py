@@ -118,16 +118,13 @@ class VllmEngine(Engine):
             return
         self._closed = True
         atexit.unregister(self.close)
-        llm = self._llm
-
-        async def shutdown() -> None:
+        async def shutdown(llm: Any) -> None:
             llm.shutdown()
 
         try:
-            self._call(shutdown())
+            self._call(shutdown(self._llm))
         finally:
-            self._llm = None
-            del llm
+            self._llm = None  # AsyncLLM's own __del__ at interpreter exit is noisy: collect it now
             gc.collect()
             self._stop_loop()
 
