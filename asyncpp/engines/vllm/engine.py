@@ -64,7 +64,9 @@ class VllmEngine(Engine):
             "enable_prefix_caching": False,
             "enable_chunked_prefill": False,
             "max_model_len": max_model_len,
-            "max_num_batched_tokens": max(max_model_len, int(vllm_options.pop("max_num_batched_tokens", 0) or 0)),
+            "max_num_batched_tokens": max(
+                max_model_len, int(vllm_options.pop("max_num_batched_tokens", 0) or 0)
+            ),
             "worker_cls": WORKER,
         }
         options.update(vllm_options)
@@ -118,6 +120,7 @@ class VllmEngine(Engine):
             return
         self._closed = True
         atexit.unregister(self.close)
+
         async def shutdown(llm: Any) -> None:
             llm.shutdown()
 
@@ -127,6 +130,15 @@ class VllmEngine(Engine):
             self._llm = None  # AsyncLLM's own __del__ at interpreter exit is noisy: collect it now
             gc.collect()
             self._stop_loop()
+
+    def worker_stats(self) -> list[dict[str, int]]:
+        """Per-request state each worker holds now (requests, blocks, waits...), for leak checks."""
+        self._check_open()
+
+        async def stats() -> Any:
+            return await self._llm.collective_rpc("asyncpp_stats")
+
+        return self._call(stats())
 
     def __enter__(self) -> VllmEngine:
         return self
@@ -178,7 +190,9 @@ class VllmEngine(Engine):
                 final = out
             return final
 
-        finals = await asyncio.gather(*(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True)
+        finals = await asyncio.gather(
+            *(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True
+        )
         packed = (await llm.collective_rpc("asyncpp_collect", args=(ids,)))[0]
         outcome = RunOutcome([])
         for final, data in zip(finals, packed):

@@ -26,23 +26,38 @@ class RemoteBlockError(AsyncppError):
 def pack_block(block: Callable, args: tuple, kwargs: dict) -> bytes:
     """The block and its arguments as bytes, the block's own module pickled by value."""
     module = sys.modules.get(getattr(block, "__module__", "") or "")
-    by_value = module is not None and module.__name__ != "__main__" and not module.__name__.startswith(
-        ("asyncpp", "torch", "vllm")
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"
+        and not module.__name__.startswith(("asyncpp", "torch", "vllm"))
     )
     if by_value:
         try:
             cloudpickle.register_pickle_by_value(module)
         except (ValueError, TypeError):
             by_value = False
+    code = getattr(block, "__code__", None)
+    filename = code.co_filename if code is not None else None
     try:
-        return cloudpickle.dumps((block, args, kwargs))
+        return cloudpickle.dumps((block, args, kwargs, filename))
     finally:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)
 
 
 def unpack_block(data: bytes) -> tuple[Callable, tuple, dict]:
-    return pickle.loads(data)
+    block, args, kwargs, filename = pickle.loads(data)
+    code = getattr(block, "__code__", None)
+    if code is not None and filename:
+        # cloudpickle blanks the file name of code it pickles by value; put it back so that
+        # tracebacks from the worker name the user's file and show its lines
+        block.__code__ = _refile(code, filename)
+    return block, args, kwargs
+
+
+def _refile(code: Any, filename: str) -> Any:
+    consts = tuple(_refile(c, filename) if isinstance(c, type(code)) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def pack_outcome(result: Any, error: BaseException | None) -> bytes:

@@ -155,7 +155,9 @@ class WorkerSession:
             return None
         req.payload = b""
         self._order += 1
-        block = self.kernel.start(coro, self._order, rows, name=getattr(fn, "__qualname__", "block"), req_rows=req_rows)
+        block = self.kernel.start(
+            coro, self._order, rows, name=getattr(fn, "__qualname__", "block"), req_rows=req_rows
+        )
         req.block = block
         return block
 

