@@ -215,6 +215,8 @@ class Interleaver:
         "on_step",
         "request_level",
         "req_batch",
+        "shard_out",
+        "shard_in",
         "__weakref__",
     )
 
@@ -265,6 +267,10 @@ class Interleaver:
         self.on_step: Callable[[int], list[Block]] | None = None
         self.request_level: frozenset[int] = frozenset()
         self.req_batch = batch_size
+        # tensor parallel engines: modules whose output / first input each rank holds a slice of;
+        # gathered whole for the blocks at a visit some block waits on, split again after
+        self.shard_out: dict[int, Any] = {}
+        self.shard_in: dict[int, Any] = {}
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
@@ -575,9 +581,15 @@ class Interleaver:
         base = index * 4
         waits = self.waits
         if base in waits or base + 1 in waits or base + 3 in waits:
+            shard = self.shard_in.get(index) if self.shard_in else None
+            if shard is not None and args:
+                local = args[0]
+                args = (shard.gather(local), *args[1:])
             v = _Visit(index, n, INPUT, args, kwargs)
             self._serve_visit(v, (INPUT, INPUTS, SKIP))
             args, kwargs, skip = v.args, v.kwargs, v.skip
+            if shard is not None and args:
+                args = (shard.split(args[0], local), *args[1:])
             if skip is not _NOTHING:
                 return self.visit_output(index, skip)
         return self.visit_output(index, forward(*args, **kwargs))
@@ -614,7 +626,8 @@ class Interleaver:
                         self.serving = None
                     out, v.out = v.out, None
                     return out
-        v = _Visit(index, n, OUTPUT, out=out)
+        shard = self.shard_out.get(index) if self.shard_out else None
+        v = _Visit(index, n, OUTPUT, out=out if shard is None else shard.gather(out))
         prev, self.serving = self.serving, v
         try:
             self._serve_waits(v, OUTPUT, key, lst)
@@ -624,7 +637,7 @@ class Interleaver:
             self.serving = prev
         if self.publish is not None:
             self.publish(index, OUTPUT, n, v.out)
-        return v.out
+        return v.out if shard is None else shard.split(v.out, out)
 
     def _serve_visit(self, v: _Visit, kinds: tuple) -> None:
         prev, self.serving = self.serving, v

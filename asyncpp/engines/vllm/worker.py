@@ -24,6 +24,7 @@ from ... import tls
 from ...kernel.interleaver import Block, Interleaver
 from ...locations.tree import build_tree
 from ..local.controllers import Controllers
+from .tensor_parallel import find_shardings
 from .transport import pack_outcome, unpack_block
 
 log = logging.getLogger("asyncpp.vllm")
@@ -84,6 +85,7 @@ class WorkerSession:
         kernel.request_level = frozenset(
             i for i, p in enumerate(self.paths) if _under(p, "logits_processor") or _under(p, "sampler")
         )
+        kernel.shard_out, kernel.shard_in = find_shardings(modules, self.paths)
         self.kernel = kernel
         self.requests: dict[str, _Request] = {}  # vLLM request id -> request with a block
         self.by_aid: dict[str, str] = {}  # caller id -> vLLM request id
