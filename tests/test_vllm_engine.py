@@ -304,3 +304,28 @@ def test_hundreds_of_requests_leave_nothing_behind(vllm_engine):
         assert stats["requests"] == 0 and stats["done"] == 0
         assert stats["blocks"] == 0 and stats["waits"] == 0 and stats["gates"] == 0
         assert stats["hot_out"] == 0 and stats["hot_in"] == 1  # only the root, which starts steps
+
+
+def test_logits_kept_across_sampling_are_the_served_ones(vllm_engine):
+    # vLLM's sampler divides the logits by the temperature in place; a block that keeps the
+    # logits past the sampling step must still hold what it was served
+    async def keep(m):
+        logits = await m.logits
+        before = logits.clone()
+        await m.samples
+        return torch.equal(logits, before)
+
+    async def ban(m, token):
+        logits = await m.logits
+        logits[:, token] = float("-inf")  # an in-place edit still reaches the sampler
+        return int((await m.samples).sampled_token_ids[0, 0])
+
+    with asyncpp.generate(vllm_engine, max_new_tokens=1, temperature=0.8, seed=3) as t:
+        k = t.invoke("Hello there", keep)
+    assert k.result is True
+    with asyncpp.trace(vllm_engine) as t:
+        plain = t.invoke("Hello there", ban, 0)  # token 0 is never the argmax here
+    first = plain.result
+    with asyncpp.trace(vllm_engine) as t:
+        banned = t.invoke("Hello there", ban, first)
+    assert banned.result != first and banned.tokens.tolist() == [[banned.result]]

@@ -139,6 +139,15 @@ def detach(value: Any) -> Any:
     return value
 
 
+def copy(value: Any) -> Any:
+    """A copy of every tensor in ``value`` (structure kept), for the model to edit in place."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list, dict)):
+        return _map(value, copy)
+    return value
+
+
 def _same_leaf(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)

@@ -217,6 +217,7 @@ class Interleaver:
         "req_batch",
         "shard_out",
         "shard_in",
+        "copy_after",
         "__weakref__",
     )
 
@@ -271,6 +272,9 @@ class Interleaver:
         # gathered whole for the blocks at a visit some block waits on, split again after
         self.shard_out: dict[int, Any] = {}
         self.shard_in: dict[int, Any] = {}
+        # modules whose output the model edits in place after the call (vLLM's sampler divides the
+        # logits by the temperature): once blocks have seen such a value, the model gets a copy
+        self.copy_after: frozenset[int] = frozenset()
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
@@ -637,7 +641,8 @@ class Interleaver:
             self.serving = prev
         if self.publish is not None:
             self.publish(index, OUTPUT, n, v.out)
-        return v.out if shard is None else shard.split(v.out, out)
+        out = v.out if shard is None else shard.split(v.out, out)
+        return batching.copy(out) if index in self.copy_after else out
 
     def _serve_visit(self, v: _Visit, kinds: tuple) -> None:
         prev, self.serving = self.serving, v

@@ -86,6 +86,8 @@ class WorkerSession:
             i for i, p in enumerate(self.paths) if _under(p, "logits_processor") or _under(p, "sampler")
         )
         kernel.shard_out, kernel.shard_in = find_shardings(modules, self.paths)
+        # the sampler edits the logits in place (temperature): blocks keep what they were served
+        kernel.copy_after = frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor")
         self.kernel = kernel
         self.requests: dict[str, _Request] = {}  # vLLM request id -> request with a block
         self.by_aid: dict[str, str] = {}  # caller id -> vLLM request id
