@@ -58,6 +58,7 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # set it to INFO to see vLLM's logs
         options = {
             "model": str(model),
             "enforce_eager": True,
