@@ -1,10 +1,19 @@
 """A short tour of asyncpp on the embedded tiny Llama (random weights, so the tokens are noise;
 the point is the mechanics). This is what ``make demo`` runs.
 
-    .venv/bin/python examples/demo.py
+    .venv/bin/python examples/demo.py                  # the local engine (default)
+    .venv/bin/python examples/demo.py --engine vllm    # the same tour on a vLLM engine
+
+The blocks are written once for both engines. Two things differ on vLLM (see docs/vllm.md): a
+decoder layer returns ``(mlp_out, residual)`` over the request's token rows ``[tokens, hidden]``
+instead of one ``[rows, seq, hidden]`` tensor, and ``m.logits`` has one row per request (the last
+position only). The small helpers below hide both differences.
 """
 
+import argparse
 import asyncio
+import os
+import re
 import time
 import traceback
 
@@ -21,32 +30,54 @@ def show(tok, ids):
     return "".join(tok.convert_ids_to_tokens([int(i) for i in ids]))
 
 
+# --- helpers that let one block run on both engines ------------------------------------------------
+
+
+def last_hidden(out):
+    """The residual stream at the last position, ``[rows, hidden]``, from a decoder layer's output."""
+    if isinstance(out, tuple):  # vLLM: (mlp_out, residual), their sum is the layer's output
+        mlp_out, residual = out
+        return (mlp_out[-1:] + residual[-1:]).clone()
+    return out[:, -1].clone()  # local: [rows, seq, hidden]; clone what is kept past the next await
+
+
+def add_at_last(out, vec):
+    """Add ``vec`` to a decoder layer's output at the last position, in place (lands in the model)."""
+    if isinstance(out, tuple):  # vLLM: adding to mlp_out adds to the sum the next layer reads
+        out[0][-1] += vec
+    else:
+        out[:, -1] += vec
+
+
+def next_token_logits(logits):
+    """The logits of the next token, ``[rows, vocab]``."""
+    return logits if logits.dim() == 2 else logits[:, -1]  # vLLM gives the last position only
+
+
 # --- intervention blocks: `m` is the model's location tree; every await waits for the model -------
 
 
 async def last_token_states(m):
-    states = [(await layer.output)[:, -1] for layer in m.model.layers]
+    states = [last_hidden(await layer.output) for layer in m.model.layers]
     return torch.stack(states, dim=1)  # (rows, layers, hidden)
 
 
 async def steer(m, layer, vec):
-    out = await m.model.layers[layer].output
-    out[:, -1] += vec  # in place: lands in the running model, in this invoke's rows only
-    return (await m.logits)[:, -1].softmax(-1)
+    add_at_last(await m.model.layers[layer].output, vec)  # only this invoke's rows are edited
+    return next_token_logits(await m.logits).softmax(-1)
 
 
 async def next_token_probs(m):
-    return (await m.logits)[:, -1].softmax(-1)
+    return next_token_logits(await m.logits).softmax(-1)
 
 
 async def steer_generation(m, layer, vec):
     async for _step in m.steps():  # once per generated token; awaits inside refer to that step
-        out = await m.model.layers[layer].output
-        out[:, -1] += vec
+        add_at_last(await m.model.layers[layer].output, vec)
 
 
 async def plain_generation(m):
-    pass  # blocks may do nothing: the invoke still gets its rows' tokens
+    pass  # blocks may do nothing: the invoke still gets its tokens
 
 
 async def wrong_order(m):
@@ -54,25 +85,60 @@ async def wrong_order(m):
     await m.model.layers[1].output  # already passed: OrderError at this line
 
 
-async def main():
-    model, tok = load_tiny()
-    engine = asyncpp.LocalEngine(model, tok)
+def block_frame(err, block):
+    """Where ``block`` raised ``err``: (function, line). A local run raises with the block's own
+    traceback; from vLLM the worker's traceback comes back as a note on the error."""
+    here = block.__code__.co_filename
+    for note in getattr(err, "__notes__", ()):
+        frames = [
+            (n, int(ln)) for f, ln, n in re.findall(r'File "(.+?)", line (\d+), in (\S+)', note) if f == here
+        ]
+        if frames:
+            return frames[-1]
+    frame = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == here][-1]
+    return frame.name, frame.lineno
+
+
+def make_engine(kind, model, tok):
+    if kind == "local":
+        return asyncpp.LocalEngine(model, tok)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the tour readable; INFO shows all
+    print("starting a vLLM engine on the same checkpoint (float32; this takes 15-35 s)...", flush=True)
+    start = time.perf_counter()
+    engine = asyncpp.VllmEngine(dtype="float32")  # float32 like the local model: same numbers
+    print(f"vLLM engine ready in {time.perf_counter() - start:.0f} s\n", flush=True)
+    return engine
+
+
+async def main(kind):
+    model, tok = load_tiny()  # on vLLM: the logit lens and the steering vector use its weights
+    engine = make_engine(kind, model, tok)
+    try:
+        await tour(engine, model, tok, kind)
+    finally:
+        engine.close()
+
+
+async def tour(engine, model, tok, kind):
     bang = tok.encode("!", add_special_tokens=False)[0]
     vec = 8.0 * model.lm_head.weight[bang].detach() / model.lm_head.weight[bang].norm()
 
     print(f"1. read hidden states (sync `with`), prompt {PROMPT!r}")
-    with asyncpp.trace(engine) as t:  # sync form: runs on this thread at the end of the block
+    with asyncpp.trace(engine) as t:  # sync form: blocks the calling thread until the run is over
         h = t.invoke(PROMPT, last_token_states)
     norms = h.result[0].norm(dim=-1)
     print("   last-token hidden-state norm per layer:", " ".join(f"{n:.2f}" for n in norms))
 
     print("2. logit lens (final norm + lm_head applied to each layer's last token)")
+    if kind == "vllm":
+        print("   (on vLLM the block cannot call the model's modules: the lens runs here, on the")
+        print("   hidden states the block returned, with the same checkpoint's weights)")
     with torch.no_grad():
         lens = model.lm_head(model.model.norm(h.result[0])).softmax(-1)
     print("   top token per layer:", "  ".join(f"{show(tok, [p.argmax()])!r} {p.max():.3f}" for p in lens))
 
     print("3. steering: add a vector towards '!' at layers.2, last position")
-    async with asyncpp.trace(engine) as t:  # async form: the forward runs on the model's thread
+    async with asyncpp.trace(engine) as t:  # async form: the caller's event loop stays free
         base = t.invoke(PROMPT, next_token_probs)
         steered = t.invoke(PROMPT, steer, 2, vec)  # batched with the invoke above
     p0, p1 = base.result[0], steered.result[0]
@@ -117,9 +183,15 @@ async def main():
         with asyncpp.trace(engine) as t:
             t.invoke(PROMPT, wrong_order)
     except asyncpp.OrderError as err:
-        where = traceback.extract_tb(err.__traceback__)[-1]  # the block's own line
-        print(f"   OrderError at {where.name}(), line {where.lineno}: {str(err).split('. Await')[0]}")
+        name, line = block_frame(err, wrong_order)
+        print(f"   OrderError at {name}(), line {line}: {str(err).split('. Await')[0]}")
+        if kind == "vllm":
+            print("   (the block ran in vLLM's worker process; its traceback came back as a note)")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--engine", choices=["local", "vllm"], default="local", help="where the model runs (default: local)"
+    )
+    asyncio.run(main(parser.parse_args().engine))

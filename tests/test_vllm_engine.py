@@ -329,3 +329,28 @@ def test_logits_kept_across_sampling_are_the_served_ones(vllm_engine):
     with asyncpp.trace(vllm_engine) as t:
         banned = t.invoke("Hello there", ban, first)
     assert banned.result != first and banned.tokens.tolist() == [[banned.result]]
+
+
+def test_a_prompt_split_across_steps_fails_its_request_clearly():
+    # long_prefill_token_threshold makes vLLM cut long prompts into pieces even with chunked
+    # prefill off; asyncpp refuses to show a block a partial prompt
+    engine = asyncpp.VllmEngine(dtype="float32", long_prefill_token_threshold=8, max_num_seqs=4)
+    try:
+
+        async def block(m):
+            return int((await m.logits).argmax(-1))
+
+        async def main():
+            async def one(prompt):
+                async with asyncpp.trace(engine) as t:
+                    h = t.invoke(prompt, block)
+                return h.result
+
+            # two requests so that the threshold applies (it is skipped for a lone request)
+            return await asyncio.gather(one("x" * 40), one("y" * 40), return_exceptions=True)
+
+        results = asyncio.run(main())
+    finally:
+        engine.close()
+    assert all(isinstance(r, Exception) for r in results), results
+    assert all("scheduled only" in str(r) and "max_num_batched_tokens" in str(r) for r in results)

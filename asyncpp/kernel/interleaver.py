@@ -906,7 +906,7 @@ class Interleaver:
     def _never_reached(self, w: tuple) -> NeverReachedError:
         trap = w[2] if w[2].TRAP == READ else w[2].target
         return NeverReachedError(
-            f"{trap.describe()} was never reached in step {w[3]}: the model ran that step to the "
+            f"{trap.describe()} was never reached in step {w[1].req_step}: the model ran that step to the "
             f"end without calling it (or not that many times)"
         )
 
@@ -916,8 +916,8 @@ class Interleaver:
         if kind == READ or kind == WRITE:
             t = trap if kind == READ else trap.target
             msg = f"{t.describe()} was never reached: the run ended while the block waited on it"
-            if self.steps_begun > 1 or block.step:
-                msg += f" (step {block.step})"
+            if block.req_step > 0:
+                msg += f" (step {block.req_step})"
         elif kind == SLOT:
             msg = f"slot {trap.name!r} was never set: the run ended while the block waited on it"
         elif kind == GATHER:

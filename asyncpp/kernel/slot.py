@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+import weakref
 from typing import Any
 
 from .errors import AsyncppError
@@ -12,7 +14,29 @@ class SlotError(AsyncppError, RuntimeError):
     """A slot was set twice, or read before it had a value."""
 
 
-_UNSET = object()
+class _Unset:
+    """The value of a slot nobody has set yet (pickles as itself)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "_UNSET"
+
+
+_UNSET = _Unset()
+_live: weakref.WeakValueDictionary[str, Slot] = weakref.WeakValueDictionary()
+
+
+def _revive(uid: str, name: str, value: Any) -> Slot:
+    """A slot arriving in another process: all copies of one slot there are one object, so the
+    blocks of two invokes of a trace share it as they did in the caller."""
+    slot = _live.get(uid)
+    if slot is None:
+        slot = Slot(name)
+        slot._uid = uid
+        slot._value = value
+        _live[uid] = slot
+    return slot
 
 
 class Slot:
@@ -24,12 +48,16 @@ class Slot:
     """
 
     TRAP = SLOT
-    __slots__ = ("name", "_value", "_waiters")
+    __slots__ = ("name", "_value", "_waiters", "_uid", "__weakref__")
 
     def __init__(self, name: str = "slot"):
         self.name = name
         self._value: Any = _UNSET
         self._waiters: list = []  # (interleaver, block, gather_state_or_None, index)
+        self._uid = uuid.uuid4().hex
+
+    def __reduce__(self) -> tuple:
+        return (_revive, (self._uid, self.name, self._value))
 
     @property
     def is_set(self) -> bool:

@@ -37,7 +37,7 @@ class VllmEngine(Engine):
     :param model: a model folder (``save_pretrained`` layout) or name; default: the embedded tiny
         model.
     :param max_model_len: the longest prompt plus generation; every prompt is scheduled whole.
-    :param kv_cache_gib: KV-cache size per worker (sets ``VLLM_CPU_KVCACHE_SPACE`` when unset).
+    :param kv_cache_gib: KV-cache size per worker (``kv_cache_memory_bytes``).
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
     """
@@ -55,7 +55,6 @@ class VllmEngine(Engine):
 
             model = tiny_model_dir()
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # set it to INFO to see vLLM's logs
@@ -64,11 +63,13 @@ class VllmEngine(Engine):
             "enforce_eager": True,
             "enable_prefix_caching": False,
             "enable_chunked_prefill": False,
+            "long_prefill_token_threshold": 0,  # > 0 splits prompts even with chunking off
             "max_model_len": max_model_len,
             "max_num_batched_tokens": max(
                 max_model_len, int(vllm_options.pop("max_num_batched_tokens", 0) or 0)
             ),
             "worker_cls": WORKER,
+            "kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
         }
         options.update(vllm_options)
         if options["worker_cls"] != WORKER:
@@ -123,7 +124,7 @@ class VllmEngine(Engine):
         atexit.unregister(self.close)
 
         async def shutdown(llm: Any) -> None:
-            llm.shutdown()
+            llm.shutdown(timeout=60)  # let vLLM's processes stop by themselves (no forced kill)
 
         try:
             self._call(shutdown(self._llm))
@@ -191,16 +192,20 @@ class VllmEngine(Engine):
                 final = out
             return final
 
-        finals = await asyncio.gather(
-            *(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True
-        )
-        packed = (await llm.collective_rpc("asyncpp_collect", args=(ids,)))[0]
+        try:
+            finals = await asyncio.gather(
+                *(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True
+            )
+        finally:
+            # always collect, also when the caller gave up: the workers then drop every trace
+            collect = asyncio.ensure_future(llm.collective_rpc("asyncpp_collect", args=(ids,)))
+            packed = (await asyncio.shield(collect))[0]
         outcome = RunOutcome([])
         for final, data in zip(finals, packed):
             o = InvokeOutcome()
             o.result, o.error = unpack_outcome(data)
             if isinstance(final, BaseException):
-                o.error = o.error or final
+                o.error = final  # vLLM refused or lost the request: its own error says why
             elif final is not None:
                 o.output = final
                 o.tokens = torch.tensor([list(final.outputs[0].token_ids)], dtype=torch.long)

@@ -118,7 +118,8 @@ class WorkerSession:
                 self.requests[new.req_id].error = RuntimeError(
                     f"vLLM scheduled only {scheduled} of the prompt's {prompt} tokens in one step; "
                     f"asyncpp presents a prompt to a block whole, so this request's block was not run. "
-                    f"Raise max_num_batched_tokens (and keep chunked prefill off)"
+                    f"Keep chunked prefill off, long_prefill_token_threshold at 0 and "
+                    f"max_num_batched_tokens at least as long as the longest prompt"
                 )
         for rid in so.finished_req_ids:
             req = self.requests.get(rid)
