@@ -741,7 +741,7 @@ class Interleaver:
             self.seen_in = [-1] * n
             self._expire(lambda w: w[3] < self.step)
         self.steps_begun += 1
-        self.position = f"the start of step {self.step}"
+        self.position = ("step", self.step)
         active = self.blocks if self.on_step is None else self.on_step(self.step)
         for block in active:
             block.req_step += 1
@@ -784,6 +784,10 @@ class Interleaver:
     def finish_blocks(self, blocks: list[Block]) -> None:
         """End these blocks' generation (their request is over): step loops end and the code after
         them runs, waits that can no longer be served fail at their lines, the rest is closed."""
+        if not self._gates and not self.ready and all(b.done for b in blocks):
+            for b in blocks:
+                b.ended = True
+            return  # the common end of a run: every block has returned
         self.serve()
         blocks = sorted(blocks, key=lambda b: b.order)
         mine = {id(b) for b in blocks}
@@ -882,6 +886,8 @@ class Interleaver:
             return pos
         if isinstance(pos, Read):
             return pos.describe()
+        if pos[0] == "step":
+            return f"the start of step {pos[1]}"
         index, kind, n = pos
         return self._name(index, kind) + (f" (call {n})" if n else "")
 

@@ -159,12 +159,12 @@ class Trace:
 
 
 def _engine_for(target: Engine | nn.Module) -> Engine:
-    if isinstance(target, Engine):
-        return target
-    if isinstance(target, nn.Module):
+    if isinstance(target, nn.Module):  # (checked first: Engine is an ABC, a slower isinstance)
         from ..engines.local.engine import LocalEngine
 
         return LocalEngine.for_model(target)
+    if isinstance(target, Engine):
+        return target
     raise TypeError(f"trace() needs an asyncpp engine or a torch.nn.Module, got {type(target).__name__}")
 
 
