@@ -84,6 +84,7 @@ SECTION = "## vLLM decode throughput (benchmarks/vllm_throughput.py)"
 
 RATIO_TARGET = 0.9  # (b)/(a): traces that read every layer at every step vs plain requests
 PROMPT_MIN, PROMPT_MAX = 8, 64
+MIN_ROUNDS = 6  # throughput rounds run even past --budget
 
 perf = time.perf_counter
 
@@ -406,7 +407,7 @@ class Results:
     load: dict[str, str] = field(default_factory=dict)
     # (variant, B, tokens per request) -> the worker CPU of each timed batch
     worker: dict[tuple[str, int, int], list[WorkerBatch]] = field(default_factory=dict)
-    profile: dict[str, list[float]] = field(default_factory=dict)  # --profile: decode step CPU, s
+    profile: dict[str, list[list[float]]] = field(default_factory=dict)  # --profile: per round, s
     profile_batch: int = 0
 
     def tps(self, variant: str, b: int) -> list[float]:
@@ -463,6 +464,9 @@ async def measure(engine: Any, args: argparse.Namespace) -> Results:
         reference = {}
         r.recording = True
         for rnd in range(args.rounds):
+            if rnd >= MIN_ROUNDS and perf() - t0 > args.budget:
+                break  # a busy machine: fewer rounds rather than a run of many minutes
+            res.rounds = rnd + 1
             order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
             gc.collect()
             for b in args.sizes:
@@ -555,7 +559,7 @@ async def profile(r: Runner, res: Results, prompts: list[list[int]], n: int, rou
             await once(v)
         for rnd in range(rounds):
             for v in names[rnd % len(names) :] + names[: rnd % len(names)]:
-                res.profile.setdefault(v, []).extend(await once(v))
+                res.profile.setdefault(v, []).append(await once(v))
     finally:
         await r.worker_rpc(_worker_set_narrow, False)
     res.profile_batch = b
@@ -854,6 +858,12 @@ def report(res: Results) -> tuple[str, str]:
         ["batch, variant", "median tok/s", "p10", "p90", "median wall ms", "worker CPU per batch", "rounds"],
         detail,
     )
+    spread = []
+    for b in res.sizes:
+        for v in ("reads", "empty"):
+            ratios = " ".join(f"{x:.2f}" for x in sorted(res.ratios(v, b)))
+            spread.append([f"B={b}, {LABEL[v][:3]}/(a)", ratios])
+    details += "\n\n" + md_table(["ratio", "every round's value, sorted"], spread)
     ttft_rows = []
     for b in [1, *res.sizes]:
         f = res.ttft_first[b]
@@ -879,33 +889,32 @@ def report(res: Results) -> tuple[str, str]:
 
 
 def profile_table(res: Results) -> str:
+    """Per variant: the median decode step; differences taken round by round (each round's
+    medians), their median over the rounds with the rounds' range."""
     if not res.profile:
         return ""
     b = res.profile_batch
-    med = {v: median(x) for v, x in res.profile.items()}
-    base = med["plain"]
+    per_round = {v: [median(x) for x in rounds] for v, rounds in res.profile.items()}
+
+    def diff(x: str, y: str, scale: float) -> tuple[float, float, float]:
+        d = [(p - q) / scale for p, q in zip(per_round[x], per_round[y], strict=True)]
+        return median(d), min(d), max(d)
+
+    def us(t: tuple[float, float, float]) -> str:
+        return f"{t[0] * 1e6:+.1f} us [{t[1] * 1e6:+.1f}, {t[2] * 1e6:+.1f}]"
+
     rows = []
     for v, label in PROFILE_VARIANTS.items():
-        added = med[v] - base
-        rows.append(
-            [
-                label,
-                ms(med[v]),
-                f"{added * 1e6:+.0f} us" if v != "plain" else "-",
-                f"{added / b * 1e6:+.1f} us" if v != "plain" else "-",
-                str(len(res.profile[v])),
-            ]
-        )
+        steps = [x for rounds in res.profile[v] for x in rounds]
+        added = "-" if v == "plain" else us(diff(v, "plain", b))
+        rows.append([label, ms(median(steps)), added, str(len(steps))])
     table = md_table(
-        [f"B={b}, worker CPU per decode step", "median", "added per step", "per block", "steps"], rows
+        [f"B={b}: worker CPU per decode step", "median", "added per block [range over rounds]", "steps"], rows
     )
-    step = (med["steps"] - base) / b
-    read = (med["reads"] - med["steps"]) / (b * 4)
-    narrowing = (med["reads"] - med["reads, no narrowing"]) / (b * 4)
     return (
-        f"{table}\n\nPer block and step: the step loop {step * 1e6:.1f} us; per layer read "
-        f"{read * 1e6:.1f} us, of which row narrowing (`batching.narrow` of the layer's "
-        f"`(mlp_out, residual)` to the request's row) {narrowing * 1e6:.1f} us."
+        f"{table}\n\nPer block and step: the step loop {us(diff('steps', 'plain', b))}; per layer read "
+        f"{us(diff('reads', 'steps', b * 4))}, of which row narrowing (`batching.narrow` of the layer's "
+        f"`(mlp_out, residual)` to the request's row) {us(diff('reads', 'reads, no narrowing', b * 4))}."
     )
 
 
@@ -918,11 +927,22 @@ def render(
     worker = ""
     if res.worker:
         worker = (
-            "\nWorker CPU: a timer sent to the worker with `collective_rpc` (hence\n"
+            "\n\nWorker CPU: a timer sent to the worker with `collective_rpc` (hence\n"
             "`VLLM_ALLOW_INSECURE_SERIALIZATION=1` for this run) records the worker thread's CPU time\n"
             "(`time.thread_time`, so CPU taken by other processes does not count) of every engine step\n"
-            "(`execute_model` + `sample_tokens`) and every `asyncpp_collect`."
+            "(`execute_model` + `sample_tokens`) and of every `asyncpp_collect`, per timed batch."
         )
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+        if cores < 4:
+            worker += (
+                f"\nWith {cores} cores for vLLM's three busy processes (the caller's, EngineCore, the\n"
+                "worker, which poll their queues), a batch's wall time swings between rounds (every\n"
+                "round's ratio is in the details): the worker CPU rows are the steadier measure of what\n"
+                "the blocks cost, and where they cost it."
+            )
+    rounds = f"{res.rounds} rounds"
+    if res.rounds < args.rounds:
+        rounds += f" (of {args.rounds}: the time budget of {args.budget:.0f} s ran out)"
     prof_text = ""
     if prof:
         prof_text = (
@@ -944,15 +964,17 @@ caching and chunked prefill off) serves every variant on the same prompts (mixed
 per request: (a) plain vLLM requests on the engine's `AsyncLLM` (asyncpp's controllers stay
 installed in the worker, idle: the baseline is the asyncpp worker without blocks), (b) one
 `asyncpp.generate` trace per request whose block awaits every decoder layer's output at every step,
-(c) the same traces with a block that awaits nothing. A batch of B requests is submitted at once
-from the caller's event loop and timed to its last result (generated tokens / wall seconds).
-Variants alternate in rotated order in each of {res.rounds} rounds after a warm-up; ratios are taken
-round by round, median over rounds with a distribution-free 95% interval (a verdict is
-*inconclusive* when it straddles the target). TTFT: (a) the first streamed output; a trace's first
-token is not streamed, so traces are timed as the wall time of a `max_new_tokens=1` trace against a
-`max_tokens=1` plain request. Collect: each `asyncpp_collect` RPC timed around
-`AsyncLLM.collective_rpc` in the caller's process.{worker} Every trace's tokens equal the plain
+(c) the same traces with a block that awaits nothing. Every trace's tokens equal the plain
 requests' tokens of its round (checked; the run aborts otherwise){stable}.
+
+Throughput: a batch of B requests is submitted at once from the caller's event loop and timed to
+its last result (generated tokens / wall seconds). Variants alternate in rotated order in each of
+{rounds} after a warm-up; ratios are taken round by round, median over rounds
+with a distribution-free 95% interval (a verdict is *inconclusive* when it straddles the target).
+TTFT: (a) the first streamed output; a trace's first token is not streamed, so traces are timed as
+the wall time of a `max_new_tokens=1` trace against a `max_tokens=1` plain request. Collect: each
+`asyncpp_collect` RPC a trace makes, timed around `AsyncLLM.collective_rpc` in the caller's
+process.{worker}
 
 Command: `{command_line()}` ({date}; {secs})
 
@@ -990,7 +1012,13 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="16,32", help="batch sizes B, comma-separated (default 16,32)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
-    ap.add_argument("--rounds", type=int, default=15, help="throughput rounds (default 15)")
+    ap.add_argument("--rounds", type=int, default=20, help="throughput rounds (default 20)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=110.0,
+        help=f"no new throughput round after this many seconds, once {MIN_ROUNDS} are done (default 110)",
+    )
     ap.add_argument("--ttft-rounds", type=int, default=24, help="single-request TTFT rounds (default 24)")
     ap.add_argument("--batch-ttft-rounds", type=int, default=8, help="batch TTFT rounds (default 8)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1005,7 +1033,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also split the worker's cost of a reading block: the step loop, the reads, row narrowing",
     )
-    ap.add_argument("--profile-rounds", type=int, default=6, help="--profile rounds (default 6)")
+    ap.add_argument("--profile-rounds", type=int, default=8, help="--profile rounds (default 8)")
     ap.add_argument("--quick", action="store_true", help="a short run (3 rounds) to try the script")
     ap.add_argument("--write", action="store_true", help="update the section in docs/performance.md")
     args = ap.parse_args()
