@@ -16,4 +16,7 @@ int tls_leave(PyObject* state);
 // Per-module controllers that shadow each module's forward during a run (controller.cpp).
 void register_controllers(pybind11::module_& m);
 
+// A block's rows of a batched value, for tensors, tuples and lists (rows.cpp).
+void register_rows(pybind11::module_& m);
+
 }  // namespace asyncpp

@@ -5,4 +5,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "asyncpp native pieces: thread-local-state swap and per-module controllers";
   asyncpp::register_tls(m);
   asyncpp::register_controllers(m);
+  asyncpp::register_rows(m);
 }

@@ -15,15 +15,36 @@ from torch import Tensor
 
 from .errors import MissingAwaitError, WriteError
 
+_native_narrow: Any = None  # csrc/rows.cpp's narrow_rows, once the native extension is loaded
+
+
+def use_native(narrow_rows: Any) -> None:
+    """Let :func:`narrow` hand tensors, tuples and lists to the native implementation."""
+    global _native_narrow
+    _native_narrow = narrow_rows
+
 
 def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:
     """Return ``value`` restricted to ``rows`` (views, no copies)."""
     if rows is None:
         return value
-    if isinstance(value, Tensor):
-        if value.dim() and value.shape[0] == batch:
+    t = type(value)
+    if _native_narrow is not None and (t is Tensor or t is tuple or t is list):
+        return _native_narrow(value, rows[0], rows[1], batch)
+    if t is Tensor or isinstance(value, Tensor):
+        if value.ndim and value.shape[0] == batch:
             return value[rows[0] : rows[1]]
         return value
+    if t is tuple:  # the common container (vLLM's (hidden, residual), a linear's (out, bias))
+        a, b = rows
+        return tuple(
+            [
+                (v[a:b] if v.ndim and v.shape[0] == batch else v)
+                if type(v) is Tensor
+                else narrow(v, rows, batch)
+                for v in value
+            ]
+        )
     if isinstance(value, (tuple, list, dict)):
         return _map(value, lambda x: narrow(x, rows, batch))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -20,7 +20,7 @@ from types import ModuleType
 from ..kernel.errors import AsyncppError
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("module.cpp", "tls_swap.cpp", "controller.cpp")
+SOURCES = ("module.cpp", "tls_swap.cpp", "controller.cpp", "rows.cpp")
 ENV_SWITCH = "ASYNCPP_TLS_SWAP"
 
 _lock = threading.Lock()
@@ -61,7 +61,10 @@ def load() -> ModuleType:
             from ..kernel.interleaver import Block, Interleaver
             from ..locations.location import Location
 
-            module.set_types(Location, Block, Interleaver)  # the fast path recognises plain reads by type
+            module.set_types(Location, Block, Interleaver)
+            from ..kernel import batching
+
+            batching.use_native(module.narrow_rows)  # the fast path recognises plain reads by type
             _module = module
         except Exception as err:
             _error = TLSBuildError(
