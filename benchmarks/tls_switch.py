@@ -61,9 +61,6 @@ import gc
 import os
 import platform
 import random
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +68,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import bench_common
 import torch
 from torch import nn
 
@@ -96,9 +94,7 @@ perf = time.perf_counter_ns
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out.extend("| " + " | ".join(row) + " |" for row in rows)
-    return "\n".join(out)
+    return bench_common.md_table(header, rows)
 
 
 def verdict(ok: bool | None) -> str:
@@ -130,18 +126,9 @@ def pct(samples: list[float], q: float) -> float:
 
 
 def machine_info() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    rev = ""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        rev = subprocess.run(
-            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+    cpu = bench_common.cpu_model()
+    usable = bench_common.usable_cores()
+    rev = bench_common.git_rev()
     load = "?"
     if hasattr(os, "getloadavg"):
         avg = os.getloadavg()
@@ -160,11 +147,7 @@ def machine_info() -> dict[str, str]:
 
 
 def command_line() -> str:
-    exe = Path(sys.executable).absolute()
-    exe_s = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else "python"
-    script = Path(__file__).resolve()
-    script_s = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else str(script)
-    return " ".join([exe_s, script_s, *sys.argv[1:]])
+    return bench_common.command_line(__file__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -697,17 +680,7 @@ the Python kernel, which enters the block again. Slow entries are those of the p
 
 def write_section(text: str) -> None:
     """Replace (or append) this benchmark's section of docs/performance.md, keeping the others."""
-    if not DOC.exists():
-        DOC.write_text("# Performance\n\n" + text)
-        return
-    old = DOC.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    body = text.rstrip("\n") + "\n"
-    if pattern.search(old):
-        new = pattern.sub(lambda _: body + "\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + body
-    DOC.write_text(new)
+    bench_common.write_section(SECTION, text, DOC)
 
 
 def main() -> None:

@@ -68,8 +68,6 @@ import math
 import os
 import platform
 import random
-import re
-import subprocess
 import sys
 import time
 import uuid
@@ -77,6 +75,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Any
+
+import bench_common
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
@@ -613,22 +613,9 @@ def machine_info() -> dict[str, str]:
 
     import asyncpp
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 0
-    try:
-        rev = subprocess.run(
-            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
+    cpu = bench_common.cpu_model()
+    usable = bench_common.usable_cores()
+    rev = bench_common.git_rev()
     where = Path(asyncpp.__file__).resolve().parent
     version = f"{asyncpp.__version__}, {rev}" if where.is_relative_to(ROOT) and rev else str(where)
     return {
@@ -643,11 +630,7 @@ def machine_info() -> dict[str, str]:
 
 
 def command_line() -> str:
-    exe = Path(sys.executable).absolute()
-    exe_s = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else "python"
-    script = Path(__file__).resolve()
-    script_s = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else str(script)
-    return " ".join([exe_s, script_s, *sys.argv[1:]])
+    return bench_common.command_line(__file__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -663,9 +646,7 @@ def verdict(value: float, lo: float, hi: float, target: float) -> str:
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return bench_common.md_table(header, rows)
 
 
 def ms(s: float) -> str:
@@ -991,18 +972,8 @@ Command: `{command_line()}` ({date}; {secs})
 
 
 def write_section(text: str) -> None:
-    """Replace (or append) the section in docs/performance.md, keeping the others."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    if not DOC.exists():
-        DOC.write_text("# Performance\n\n" + text)
-        return
-    old = DOC.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text.rstrip("\n") + "\n\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    DOC.write_text(new)
+    """Replace (or append) this benchmark's section of docs/performance.md, keeping the others."""
+    bench_common.write_section(SECTION, text, DOC)
 
 
 # ------------------------------------------------------------------------------------------------

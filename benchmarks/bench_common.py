@@ -1,0 +1,70 @@
+"""What every benchmark script here shares: the machine it ran on, the command, markdown tables,
+and replacing its own section of docs/performance.md."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "performance.md"
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 0
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def command_line(script: str) -> str:
+    """The command that ran ``script`` (its ``__file__``), relative to the repository."""
+    exe = Path(sys.executable).absolute()
+    exe_s = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else "python"
+    path = Path(script).resolve()
+    script_s = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    return " ".join([exe_s, script_s, *sys.argv[1:]])
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_section(section: str, text: str, doc: Path = DOC) -> None:
+    """Replace (or append) the section headed ``section`` in ``doc``, keeping the others."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    if not doc.exists():
+        doc.write_text("# Performance\n\n" + text)
+        return
+    old = doc.read_text()
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    body = text.rstrip("\n") + "\n"
+    if pattern.search(old):
+        new = pattern.sub(lambda _: body + "\n", old, count=1).rstrip("\n") + "\n"
+    else:
+        new = old.rstrip("\n") + "\n\n" + body
+    doc.write_text(new)
