@@ -39,6 +39,15 @@ def git_rev() -> str:
         return ""
 
 
+def load_average(note: str = "expect noisier figures") -> str:
+    """The load averages before a run, flagged when other work was running."""
+    if not hasattr(os, "getloadavg"):
+        return "?"
+    avg = os.getloadavg()
+    text = ", ".join(f"{v:.2f}" for v in avg)
+    return text + (f" (other work was running: {note})" if avg[0] > 0.5 else "")
+
+
 def command_line(script: str) -> str:
     """The command that ran ``script`` (its ``__file__``), relative to the repository."""
     exe = Path(sys.executable).absolute()

@@ -335,12 +335,7 @@ def machine_info() -> dict[str, str]:
         version = f"{asyncpp.__version__}, {rev}"
     else:
         version = f"{asyncpp.__version__} from {where}"
-    load = "?"
-    if hasattr(os, "getloadavg"):
-        avg = os.getloadavg()
-        load = ", ".join(f"{v:.2f}" for v in avg)
-        if avg[0] > 0.5:
-            load += " (other work was running: expect noisier figures, thread hand-offs most of all)"
+    load = bench_common.load_average("expect noisier figures, thread hand-offs most of all")
     return {
         "cpu": cpu,
         "cores": f"{os.cpu_count()} logical, {usable} usable; torch threads {torch.get_num_threads()}",

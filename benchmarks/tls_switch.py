@@ -129,12 +129,7 @@ def machine_info() -> dict[str, str]:
     cpu = bench_common.cpu_model()
     usable = bench_common.usable_cores()
     rev = bench_common.git_rev()
-    load = "?"
-    if hasattr(os, "getloadavg"):
-        avg = os.getloadavg()
-        load = ", ".join(f"{v:.2f}" for v in avg)
-        if avg[0] > 0.5:
-            load += " (other work was running: expect noisier figures)"
+    load = bench_common.load_average()
     return {
         "cpu": cpu,
         "cores": f"{os.cpu_count()} logical, {usable} usable; torch threads {torch.get_num_threads()}",

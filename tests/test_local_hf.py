@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import steer_hook
 
 import asyncpp
 
@@ -51,15 +52,6 @@ def test_batched_prompts_of_different_lengths_equal_alone(engine):
         torch.testing.assert_close(a.result[1], b.result[1], rtol=1e-5, atol=1e-5)
 
 
-def _steer_hook(vec):
-    def hook(mod, args, out):
-        out = out.clone()
-        out[:, -1] += vec
-        return out
-
-    return hook
-
-
 def test_steering_matches_a_plain_hook(tiny, engine):
     model, tok = tiny
     vec = torch.randn(128)
@@ -72,7 +64,7 @@ def test_steering_matches_a_plain_hook(tiny, engine):
 
     with asyncpp.trace(engine) as t:
         h = t.invoke("Hello", steer, vec)
-    handle = model.model.layers[1].register_forward_hook(_steer_hook(vec))
+    handle = model.model.layers[1].register_forward_hook(steer_hook(vec))
     try:
         with torch.no_grad():
             ref = model(x).logits
@@ -123,7 +115,7 @@ def test_generation_steering_every_step_matches_hook(tiny, engine):
     with asyncpp.generate(engine, max_new_tokens=6) as t:
         h = t.invoke("Hello", steer_all, vec)
     assert h.result == [0, 1, 2, 3, 4, 5]
-    handle = model.model.layers[1].register_forward_hook(_steer_hook(vec))
+    handle = model.model.layers[1].register_forward_hook(steer_hook(vec))
     try:
         with torch.no_grad():
             ref = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=256)

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 import torch
+from helpers import steer_hook
 
 import asyncpp
 
@@ -57,15 +58,6 @@ def test_hidden_states_and_logits_match_hf(vllm_engine, tiny):
     assert h.tokens.tolist() == [[int(ref.logits[0, -1].argmax())]]
 
 
-def _steer_hook(vec):
-    def hook(mod, args, out):
-        out = out.clone()
-        out[:, -1] += vec
-        return out
-
-    return hook
-
-
 def test_steering_and_ablation_match_hf(vllm_engine, tiny):
     model, tok = tiny
     torch.manual_seed(0)
@@ -86,7 +78,7 @@ def test_steering_and_ablation_match_hf(vllm_engine, tiny):
     with asyncpp.trace(vllm_engine) as t:
         s = t.invoke(text, steer, vec)
         a = t.invoke(text, ablate)
-    handle = model.model.layers[1].register_forward_hook(_steer_hook(vec))
+    handle = model.model.layers[1].register_forward_hook(steer_hook(vec))
     try:
         with torch.no_grad():
             ref_steer = model(x).logits[:, -1]
@@ -125,7 +117,7 @@ def test_generation_steering_every_step_matches_hf(vllm_engine, tiny):
     steps, sampled, after = h.result
     assert steps == [0, 1, 2, 3, 4, 5] and after == "after the loop"
     assert sampled == h.tokens[0].tolist()
-    handle = model.model.layers[1].register_forward_hook(_steer_hook(vec))
+    handle = model.model.layers[1].register_forward_hook(steer_hook(vec))
     try:
         with torch.no_grad():
             ref = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=256)

@@ -11,6 +11,7 @@ model thread, its blocks are closed as usual, and its outcome is dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import sys
 import threading
@@ -96,28 +97,16 @@ async def _asyncio_run(loop: asyncio.AbstractEventLoop, thread: ModelThread, fn:
 
 
 async def _trio_run(thread: ModelThread, fn: Callable[[], Any]) -> Any:
-    import trio
-
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
-    box: list = []
+    fut: concurrent.futures.Future = concurrent.futures.Future()
 
     def job() -> None:
         try:
-            box.append((True, fn()))
+            fut.set_result(fn())
         except BaseException as err:
-            box.append((False, err))
-        try:
-            token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass
+            fut.set_exception(err)
 
     thread.submit(job)
-    await done.wait()
-    ok, value = box[0]
-    if ok:
-        return value
-    raise value
+    return await await_future(fut)
 
 
 async def await_future(fut: Any) -> Any:
