@@ -8,6 +8,8 @@
 // thread's at entry, and the block changed nothing before it left, no state is copied at all.
 
 #include <ATen/ThreadLocalState.h>
+#include <ATen/Context.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/AutogradState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -15,7 +17,9 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 
 namespace {
@@ -42,18 +46,30 @@ uint64_t ptr_bits(const void* p) { return static_cast<uint64_t>(reinterpret_cast
 // which only a full at::ThreadLocalState capture and restore can carry.
 constexpr size_t kSimpleWords = 4;
 
+// Where this thread keeps the state objects torch hands out by reference: cached once per thread,
+// so a fingerprint reads them directly instead of calling into torch for each (after a forward the
+// caches are cold, and every call into another library is a miss or two).
+struct Sources {
+  const c10::AutogradState* autograd = &c10::AutogradState::get_tls_state();
+  const at::impl::SavedTensorDefaultHooksTLS* hooks = &at::SavedTensorDefaultHooks::get_tls_state();
+};
+
+// Without CUDA, the CUDA autocast dtype cannot change what anything computes.
+const bool kWatchCudaDtype = at::hasCUDA();
+
 Fingerprint fingerprint() {
+  thread_local const Sources src;
   Fingerprint f{};
   const auto keys = c10::impl::tls_local_dispatch_key_set();
   f[0] = keys.included_.raw_repr();
   f[1] = keys.excluded_.raw_repr();
-  const auto& ag = c10::AutogradState::get_tls_state();
+  const c10::AutogradState& ag = *src.autograd;
   f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
          ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
          ((uint64_t)ag.get_view_replay_enabled() << 4) |
          ((uint64_t)at::autocast::is_autocast_cache_enabled() << 5);
   f[3] = (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU)) |
-         ((uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA)) << 16) |
+         (kWatchCudaDtype ? (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA)) << 16 : 0) |
          ((uint64_t)static_cast<uint32_t>(autocast_nesting()) << 32);
   const int64_t tf_len = at::impl::PythonTorchFunctionTLS::stack_len();
   f[4] = (uint64_t)tf_len | ((uint64_t)static_cast<int>(at::impl::PythonTorchFunctionTLS::get_disabled_state()) << 48);
@@ -62,9 +78,9 @@ Fingerprint fingerprint() {
   f[6] = (uint64_t)dm_len | ((uint64_t)c10::impl::TorchDispatchModeTLS::any_modes_set() << 48);
   f[7] = dm_len ? ptr_bits(c10::impl::TorchDispatchModeTLS::get_stack_at(dm_len - 1).get()) : 0;
   f[8] = ptr_bits(c10::impl::PythonDispatcherTLS::get_state());
-  const auto& hooks = at::SavedTensorDefaultHooks::get_tls_state().stack;
-  f[9] = hooks.size() | ((uint64_t)at::SavedTensorDefaultHooks::is_enabled() << 48) |
-         ((uint64_t)at::hasThreadLocalCallbacks() << 49);
+  const auto& hooks = src.hooks->stack;
+  f[9] = hooks.size() | ((uint64_t)!src.hooks->disabled_error_message.has_value() << 48) |
+         ((uint64_t)src.hooks->is_tracing << 50) | ((uint64_t)at::hasThreadLocalCallbacks() << 49);
   f[10] = hooks.empty() ? 0 : ptr_bits(&hooks.top());
   // c10::ThreadLocalDebugInfo is left out: reading it copies a shared_ptr (atomics) at every
   // switch, and only C++ code (profilers) sets it; a full capture still carries it.
@@ -103,7 +119,9 @@ struct Simple {
 
 // The torch state of one block.
 struct BlockState {
-  at::ThreadLocalState state;  // the block's full state (its simple part may be older than `simple`)
+  // the block's full state (its simple part may be older than `simple`); immutable once captured,
+  // so blocks forked from one template share it instead of copying it
+  std::shared_ptr<const at::ThreadLocalState> state;
   Simple simple;               // the block's simple state, always current
   Fingerprint fp;
   // set while the block runs:
@@ -114,12 +132,37 @@ struct BlockState {
   uint64_t slow_entries = 0;  // for the benchmark: entries that had to install another state
   uint64_t captures = 0;      // leaves where the block had changed its state
 
-  BlockState() : state(), simple(), fp(fingerprint()) {}
+  BlockState() : state(std::make_shared<const at::ThreadLocalState>()), simple(), fp(fingerprint()) {}
   BlockState(const BlockState& t) : state(t.state), simple(t.simple), fp(t.fp) {}
 };
 
+// In-trace timing for the benchmark (benchmarks/tls_switch.py): when on, the time spent inside the
+// swap (enter, leave, fork, free) is summed on the calling thread, cold caches and all.
+struct Timing {
+  bool on = false;
+  uint64_t ns = 0, switches = 0, per_block_ns = 0;
+};
+thread_local Timing timing;
+
+uint64_t clock_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+template <typename F>
+void timed(bool is_switch, F&& body) {
+  if (!timing.on) return body();
+  const uint64_t t0 = clock_ns();
+  body();  // an exception skips the sum; timings of failing switches do not matter
+  const uint64_t dt = clock_ns() - t0;
+  timing.ns += dt;
+  if (is_switch) timing.switches++;
+  else timing.per_block_ns += dt;
+}
+
 // Switch into a block: install its state on the calling thread.
-void enter(BlockState& b) {
+void enter_impl(BlockState& b) {
   TORCH_CHECK(!b.inside, "asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
   b.inside = true;
   Fingerprint now = fingerprint();
@@ -134,13 +177,13 @@ void enter(BlockState& b) {
   } else {
     b.entry = BlockState::Entry::full;
     b.outer.emplace();
-    at::ThreadLocalState::setThreadLocalState(b.state);
+    at::ThreadLocalState::setThreadLocalState(*b.state);
   }
   b.simple.apply();
 }
 
 // Switch out of a block: keep what it changed, give the thread back its state.
-void leave(BlockState& b) {
+void leave_impl(BlockState& b) {
   TORCH_CHECK(b.inside, "asyncpp: a block was left without being entered");
   b.inside = false;
   Fingerprint now = fingerprint();
@@ -149,7 +192,7 @@ void leave(BlockState& b) {
   if (b.entry != BlockState::Entry::fast) {
     if (changed) {
       b.simple = Simple();
-      if (complex_changed) b.state = at::ThreadLocalState();
+      if (complex_changed) b.state = std::make_shared<const at::ThreadLocalState>();
       b.fp = now;
       b.captures++;
     }
@@ -169,13 +212,16 @@ void leave(BlockState& b) {
   b.simple = Simple();
   b.captures++;
   if (complex_changed) {
-    at::ThreadLocalState previous = std::move(b.state);
-    b.state = at::ThreadLocalState();
-    at::ThreadLocalState::setThreadLocalState(previous);
+    auto previous = std::move(b.state);
+    b.state = std::make_shared<const at::ThreadLocalState>();
+    at::ThreadLocalState::setThreadLocalState(*previous);
   }
   b.fp = now;
   previous_simple.apply();
 }
+
+void enter(BlockState& b) { timed(true, [&] { enter_impl(b); }); }
+void leave(BlockState& b) { timed(true, [&] { leave_impl(b); }); }
 
 // ------------------------------------------------------------------------------------------------
 // Python binding as a plain CPython type (pybind11's call dispatch costs more than the swap itself).
@@ -207,19 +253,19 @@ PyObject* state_new(PyTypeObject*, PyObject*, PyObject*) {
 }
 
 void state_dealloc(PyObject* o) {
-  delete reinterpret_cast<PyBlockState*>(o)->impl;
+  timed(false, [&] { delete reinterpret_cast<PyBlockState*>(o)->impl; });
   Py_TYPE(o)->tp_free(o);
 }
 
-// state.fork(): a new block's state, a copy of this one when the thread still has it (the common
-// case: every block of a run starts from the same forward state), else a fresh capture.
+// template.fork(): a new block's state, a copy of the template when the thread still has its
+// state (the common case: every block of a run starts from the same forward state; the copy shares
+// the template's full capture), else a fresh capture.
 PyObject* state_fork(PyObject* o, PyObject*) {
   const BlockState& t = *reinterpret_cast<PyBlockState*>(o)->impl;
   try {
-    if (fingerprint() == t.fp) {
-      return wrap(new BlockState(t));
-    }
-    return wrap(new BlockState());
+    BlockState* made = nullptr;
+    timed(false, [&] { made = fingerprint() == t.fp ? new BlockState(t) : new BlockState(); });
+    return wrap(made);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -317,6 +363,16 @@ void asyncpp::register_tls(pybind11::module_& m) {
     if (!f) throw pybind11::error_already_set();
     m.add_object(d->ml_name, f);
   }
+  m.def(
+      "timing",
+      [](bool on) {
+        auto was = pybind11::make_tuple(timing.ns, timing.switches, timing.per_block_ns);
+        timing = Timing{};
+        timing.on = on;
+        return was;
+      },
+      "Benchmark probe: sum the time spent in the swap on this thread from now (on=True) or stop; "
+      "returns the sums so far (ns, switches, ns of per-block work: fork and free) and resets them.");
   m.def("fingerprint", []() {
     auto f = fingerprint();
     return std::vector<uint64_t>(f.begin(), f.end());

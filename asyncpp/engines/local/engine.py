@@ -117,13 +117,17 @@ class LocalEngine(Engine):
             self._switch = tls.get_switch()  # raises TLSBuildError when it cannot be built
         return self._switch
 
-    def _tls_template(self) -> Any:
+    def _tls_template(self, grad: bool) -> Any:
+        """The torch state blocks of a run start from (forked per block), captured once per grad
+        mode as the run sets it, so that forks are copies rather than fresh captures."""
         switch = self.switch
         if switch is None:
             return None
-        template = self.__dict__.get("_template")
+        templates = self.__dict__.setdefault("_templates", {})
+        template = templates.get(grad)
         if template is None:
-            template = self._template = switch.BlockState()
+            with torch.set_grad_enabled(grad):
+                template = templates[grad] = switch.BlockState()
         return template
 
     def _execute(self, spec: RunSpec) -> RunOutcome:
@@ -134,7 +138,7 @@ class LocalEngine(Engine):
             step_index=0,
             switch=self.switch,
             slot=self._controllers.slot,
-            tls_template=self._tls_template(),
+            tls_template=self._tls_template(spec.grad),
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         lock = self._lock
