@@ -18,5 +18,7 @@ void register_controllers(pybind11::module_& m);
 
 // A block's rows of a batched value, for tensors, tuples and lists (rows.cpp).
 void register_rows(pybind11::module_& m);
+// The same for C callers: a new reference, or nullptr with a Python error set.
+PyObject* narrow_rows(PyObject* value, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t batch);
 
 }  // namespace asyncpp

@@ -36,6 +36,7 @@ struct RunSlot {
   PyObject* complete;      // kernel._complete
   PyObject* fail;          // kernel._fail
   PyObject* serve;         // kernel.serve
+  PyObject* special;       // set of module indices the fast path leaves to the kernel (or nullptr)
   PyObject* visit_out;     // the output of the call being served by the fast path
   Py_ssize_t visit_index;
   Py_ssize_t visit_n;
@@ -53,10 +54,10 @@ struct {
   Py_ssize_t key, occ, keys;
 } loc_off;
 struct {
-  Py_ssize_t coro, state, rows, step, order, waiting;
+  Py_ssize_t coro, state, rows, step, order, waiting, done;
 } blk_off;
 struct {
-  Py_ssize_t current, position;
+  Py_ssize_t current, position, batch_size;
 } ker_off;
 
 inline PyObject* slot_get(PyObject* o, Py_ssize_t off) {
@@ -85,6 +86,7 @@ int slot_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(s->fail);
   Py_VISIT(s->serve);
   Py_VISIT(s->visit_out);
+  Py_VISIT(s->special);
   return 0;
 }
 
@@ -100,6 +102,7 @@ void drop_run(RunSlot* s) {
   Py_CLEAR(s->fail);
   Py_CLEAR(s->serve);
   Py_CLEAR(s->visit_out);
+  Py_CLEAR(s->special);
   s->fast = s->in_visit = 0;
   s->bypass = 0;
 }
@@ -132,6 +135,7 @@ PyObject* slot_new(PyTypeObject* type, PyObject*, PyObject*) {
   s->visit_output = nullptr;
   s->waits = s->refs_out = s->ready = s->resume = s->complete = s->fail = s->serve = nullptr;
   s->visit_out = nullptr;
+  s->special = nullptr;
   s->visit_index = s->visit_n = -1;
   s->step = 0;
   s->fast = s->in_visit = 0;
@@ -141,6 +145,28 @@ PyObject* slot_new(PyTypeObject* type, PyObject*, PyObject*) {
     return nullptr;
   }
   return reinterpret_cast<PyObject*>(s);
+}
+
+// The module indices whose values the kernel transforms on the way (request-level values narrowed
+// by request, TP-sharded outputs, outputs copied after serving): a new set, or nullptr with an error.
+PyObject* special_indices(PyObject* kernel) {
+  PyObject* out = PySet_New(nullptr);
+  if (!out) return nullptr;
+  const char* names[3] = {"request_level", "shard_out", "copy_after"};
+  for (const char* name : names) {
+    PyObject* v = PyObject_GetAttrString(kernel, name);
+    if (!v) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    int r = v == Py_None ? 0 : _PySet_Update(out, v);
+    Py_DECREF(v);
+    if (r < 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
 }
 
 // slot.activate(kernel): attach a run (its hot_in, hot_out and counts are read once, here; the
@@ -184,7 +210,8 @@ PyObject* slot_activate(PyObject* o, PyObject* kernel) {
   PyObject* intercept = PyObject_GetAttrString(kernel, "intercept");
   PyObject* publish = PyObject_GetAttrString(kernel, "publish");
   PyObject* step = PyObject_GetAttrString(kernel, "step");
-  if (waits && refs_out && ready && resume && complete && fail && serve && intercept && publish && step &&
+  PyObject* special = special_indices(kernel);
+  if (special && waits && refs_out && ready && resume && complete && fail && serve && intercept && publish && step &&
       PyDict_CheckExact(waits) && PyList_CheckExact(refs_out) && location_type) {
     s->fast = intercept == Py_None && publish == Py_None;
     s->step = PyLong_AsLong(step);
@@ -197,6 +224,7 @@ PyObject* slot_activate(PyObject* o, PyObject* kernel) {
   Py_XSETREF(s->complete, complete);
   Py_XSETREF(s->fail, fail);
   Py_XSETREF(s->serve, serve);
+  Py_XSETREF(s->special, special);
   Py_XDECREF(intercept);
   Py_XDECREF(publish);
   Py_XDECREF(step);
@@ -467,6 +495,48 @@ int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
   return status;
 }
 
+// Whether ``w`` (a wait tuple) is a plain read of call ``n`` of this module in the current step,
+// by a block that sees the whole batch or a plain row range: what the fast path can serve.
+bool plain_wait(RunSlot* s, PyObject* w, Py_ssize_t n) {
+  if (!PyTuple_CheckExact(w) || PyTuple_GET_SIZE(w) != 7) return false;
+  PyObject *block = PyTuple_GET_ITEM(w, 1), *trap = PyTuple_GET_ITEM(w, 2);
+  if (PyTuple_GET_ITEM(w, 5) != Py_None || Py_TYPE(trap) != reinterpret_cast<PyTypeObject*>(location_type) ||
+      Py_TYPE(block) != reinterpret_cast<PyTypeObject*>(block_type)) {
+    return false;
+  }
+  if (PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 4)) != n || PyLong_AsLong(PyTuple_GET_ITEM(w, 3)) != s->step) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* keys = slot_get(trap, loc_off.keys);
+  if (!keys || !PyTuple_Check(keys) || PyTuple_GET_SIZE(keys) != 0) return false;
+  PyObject* rows = slot_get(block, blk_off.rows);
+  if (!rows) return false;
+  return rows == Py_None || (PyTuple_CheckExact(rows) && PyTuple_GET_SIZE(rows) == 2 &&
+                             PyLong_CheckExact(PyTuple_GET_ITEM(rows, 0)) &&
+                             PyLong_CheckExact(PyTuple_GET_ITEM(rows, 1)));
+}
+
+// What a block with ``rows`` reads of ``value``: the kernel's batching.narrow for the values it
+// hands to the native narrowing (tensors, tuples, lists). New reference, or nullptr with an error.
+PyObject* rows_of(PyObject* value, PyObject* rows, Py_ssize_t batch) {
+  if (rows == Py_None) {
+    Py_INCREF(value);
+    return value;
+  }
+  const Py_ssize_t a = PyLong_AsSsize_t(PyTuple_GET_ITEM(rows, 0));
+  const Py_ssize_t b = PyLong_AsSsize_t(PyTuple_GET_ITEM(rows, 1));
+  if (PyErr_Occurred()) return nullptr;
+  return asyncpp::narrow_rows(value, a, b, batch);
+}
+
+// The fast path: a module call whose output waits are all plain reads of this very call (one
+// block or many, each seeing the whole batch or its own rows; the case of every decoder layer on
+// a batching engine) is served here, in invoke order, and a block whose next wait is another plain
+// output read is parked here too (try_park). Everything else (inputs, keys, writes awaited on a
+// later call, steps, gathers, request-level values, TP shards, errors) goes through the
+// interleaver's Python code, which owns the semantics; this path repeats what that code does in
+// these cases only.
 // 1 when served (``*result`` is the call's output to return, or nullptr with an error set);
 // 0 when the Python kernel must serve this call. Consumes ``out`` only when it returns 1.
 int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
@@ -475,39 +545,49 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
     PyErr_Clear();
     return 0;
   }
-  if (!PyList_CheckExact(lst) || PyList_GET_SIZE(lst) != 1 || !ready_empty(s)) return 0;
-  PyObject* w = PyList_GET_ITEM(lst, 0);
-  if (!PyTuple_CheckExact(w) || PyTuple_GET_SIZE(w) != 7) return 0;
-  PyObject *block = PyTuple_GET_ITEM(w, 1), *trap = PyTuple_GET_ITEM(w, 2);
-  if (PyTuple_GET_ITEM(w, 5) != Py_None || Py_TYPE(trap) != reinterpret_cast<PyTypeObject*>(location_type) ||
-      Py_TYPE(block) != reinterpret_cast<PyTypeObject*>(block_type)) {
-    return 0;
-  }
+  const Py_ssize_t nw = PyList_CheckExact(lst) ? PyList_GET_SIZE(lst) : 0;
+  if (nw == 0 || !ready_empty(s)) return 0;
   const Py_ssize_t idx = c->idx;
   if (idx >= PyList_GET_SIZE(s->counts) || idx >= PyList_GET_SIZE(s->refs_out)) return 0;
+  if (s->special) {
+    int sp = PySet_Contains(s->special, c->index);
+    if (sp != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+  }
   const Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(s->counts, idx));
-  if (PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 4)) != n || PyLong_AsLong(PyTuple_GET_ITEM(w, 3)) != s->step) {
+  bool narrowing = false;
+  for (Py_ssize_t i = 0; i < nw; i++) {
+    PyObject* w = PyList_GET_ITEM(lst, i);
+    if (!plain_wait(s, w, n)) return 0;
+    narrowing = narrowing || slot_get(PyTuple_GET_ITEM(w, 1), blk_off.rows) != Py_None;
+  }
+  if (narrowing) {  // the native narrowing takes tensors, tuples and lists; the kernel the rest
+    if (!(THPVariable_CheckExact(out) || PyTuple_CheckExact(out) || PyList_CheckExact(out))) return 0;
+  }
+  PyObject* batch_obj = slot_get(s->kernel, ker_off.batch_size);
+  const Py_ssize_t batch = batch_obj && PyLong_Check(batch_obj) ? PyLong_AsSsize_t(batch_obj) : -1;
+  if (batch < 0) {
     PyErr_Clear();
     return 0;
   }
-  PyObject* keys = slot_get(trap, loc_off.keys);
-  PyObject* rows = slot_get(block, blk_off.rows);
-  if (!keys || !PyTuple_Check(keys) || PyTuple_GET_SIZE(keys) != 0 || rows != Py_None) return 0;
 
-  // take the wait: the same bookkeeping as the kernel's visit_output
-  Py_INCREF(block);
-  Py_INCREF(trap);
+  // take the waits: the same bookkeeping as the kernel's visit_output
+  Py_INCREF(lst);
+  PyObject* first = PyTuple_GET_ITEM(PyList_GET_ITEM(lst, 0), 2);
+  Py_INCREF(first);
   int ok = PyDict_DelItem(s->waits, c->out_key);
   if (ok == 0) {
-    Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(s->refs_out, idx)) - 1;
+    Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(s->refs_out, idx)) - nw;
     ok = PyList_SetItem(s->refs_out, idx, PyLong_FromSsize_t(r));
     if (ok == 0 && r == 0) ok = PySet_Discard(s->hot_out, c->index) < 0 ? -1 : 0;
   }
   if (ok == 0) ok = PyList_SetItem(s->counts, idx, PyLong_FromSsize_t(n + 1));
-  if (ok == 0) slot_set(s->kernel, ker_off.position, trap);
+  if (ok == 0) slot_set(s->kernel, ker_off.position, first);
+  Py_DECREF(first);
   if (ok < 0) {
-    Py_DECREF(block);
-    Py_DECREF(trap);
+    Py_DECREF(lst);
     Py_DECREF(out);
     *result = nullptr;
     return 1;
@@ -516,14 +596,25 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
   s->visit_index = idx;
   s->visit_n = n;
   s->in_visit = 1;
-  Py_INCREF(out);
-  int status = resume_block(s, block, out);
-  Py_DECREF(out);
+  int status = 0;
+  for (Py_ssize_t i = 0; i < nw && status == 0; i++) {
+    PyObject* block = PyTuple_GET_ITEM(PyList_GET_ITEM(lst, i), 1);
+    if (slot_get(block, blk_off.done) == Py_True) continue;
+    Py_INCREF(block);
+    // each block reads the value as the blocks before it left it (a write replaces visit_out)
+    PyObject* value = rows_of(s->visit_out, slot_get(block, blk_off.rows), batch);
+    if (!value) {
+      status = -1;
+    } else {
+      status = resume_block(s, block, value);
+      Py_DECREF(value);
+    }
+    Py_DECREF(block);
+  }
+  Py_DECREF(lst);
   s->in_visit = 0;
   PyObject* served = s->visit_out;
   s->visit_out = nullptr;
-  Py_DECREF(block);
-  Py_DECREF(trap);
   if (status == 0 && !ready_empty(s)) {  // a block set a slot another block waits on
     PyObject* done = PyObject_CallNoArgs(s->serve);
     if (!done) status = -1;
@@ -693,16 +784,17 @@ Py_ssize_t member_offset(PyObject* type, const char* name) {
 PyObject* py_set_types(PyObject*, PyObject* args) {
   PyObject *loc, *blk, *ker;
   if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &ker)) return nullptr;
-  ker_off = {member_offset(ker, "current"), member_offset(ker, "position")};
-  if (ker_off.current < 0 || ker_off.position < 0) return nullptr;
-  Py_ssize_t offs[9] = {member_offset(loc, "key"),   member_offset(loc, "occ"),   member_offset(loc, "keys"),
+  ker_off = {member_offset(ker, "current"), member_offset(ker, "position"), member_offset(ker, "batch_size")};
+  if (ker_off.current < 0 || ker_off.position < 0 || ker_off.batch_size < 0) return nullptr;
+  Py_ssize_t offs[10] = {member_offset(loc, "key"),   member_offset(loc, "occ"),   member_offset(loc, "keys"),
                         member_offset(blk, "coro"),  member_offset(blk, "state"), member_offset(blk, "rows"),
-                        member_offset(blk, "step"),  member_offset(blk, "order"), member_offset(blk, "waiting")};
+                        member_offset(blk, "step"),  member_offset(blk, "order"), member_offset(blk, "waiting"),
+                        member_offset(blk, "done")};
   for (Py_ssize_t off : offs) {
     if (off < 0) return nullptr;
   }
   loc_off = {offs[0], offs[1], offs[2]};
-  blk_off = {offs[3], offs[4], offs[5], offs[6], offs[7], offs[8]};
+  blk_off = {offs[3], offs[4], offs[5], offs[6], offs[7], offs[8], offs[9]};
   Py_INCREF(loc);
   Py_XSETREF(location_type, loc);
   Py_INCREF(blk);

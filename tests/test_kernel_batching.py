@@ -99,3 +99,36 @@ def test_inputs_that_cannot_batch(mlp):
         with asyncpp.trace(mlp) as t:
             t.invoke(torch.randn(2, 8), block)
             t.invoke(torch.randn(2, 5), block)
+
+
+def test_many_blocks_at_one_call_see_each_others_edits_in_invoke_order(mlp):
+    """Three blocks wait on the same call: each reads the value as the blocks before it left it
+    (a replacement of rows 0:2, an in-place edit of rows 2:5), and the model gets the last."""
+    xa, xb = torch.randn(2, 8), torch.randn(3, 8)
+
+    async def double(m):
+        out = await m[1].output
+        await m[1].output.set(out * 2)
+        return await m[3].output
+
+    async def bump(m):
+        out = await m[1].output
+        out += 1
+        return await m[3].output
+
+    async def whole(m):
+        seen = (await m[1].output).clone()
+        return seen, await m[3].output
+
+    with asyncpp.trace(mlp) as t:
+        a = t.invoke(xa, double)
+        b = t.invoke(xb, bump)
+        w = t.invoke(whole)
+    h = mlp[:2](torch.cat([xa, xb]))
+    expected = torch.cat([h[:2] * 2, h[2:] + 1])
+    seen, last = w.result
+    assert torch.allclose(seen, expected, atol=1e-6)
+    assert torch.allclose(last, mlp[2:4](expected), atol=1e-6)
+    assert torch.allclose(a.result, mlp[2:4](expected[:2]), atol=1e-6)
+    assert torch.allclose(b.result, mlp[2:4](expected[2:]), atol=1e-6)
+    assert torch.allclose(a.output, mlp[2:](expected)[:2], atol=1e-6)
