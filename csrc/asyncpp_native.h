@@ -21,4 +21,7 @@ void register_rows(pybind11::module_& m);
 // The same for C callers: a new reference, or nullptr with a Python error set.
 PyObject* narrow_rows(PyObject* value, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t batch);
 
+// ``await trap`` through a C iterator instead of a Python generator (trap_await.cpp).
+void register_await(pybind11::module_& m);
+
 }  // namespace asyncpp

@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   asyncpp::register_tls(m);
   asyncpp::register_controllers(m);
   asyncpp::register_rows(m);
+  asyncpp::register_await(m);
 }

@@ -20,7 +20,7 @@ from types import ModuleType
 from ..kernel.errors import AsyncppError
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("module.cpp", "tls_swap.cpp", "controller.cpp", "rows.cpp")
+SOURCES = ("module.cpp", "tls_swap.cpp", "controller.cpp", "rows.cpp", "trap_await.cpp")
 ENV_SWITCH = "ASYNCPP_TLS_SWAP"
 
 _lock = threading.Lock()
@@ -65,6 +65,10 @@ def load() -> ModuleType:
             from ..kernel import batching
 
             batching.use_native(module.narrow_rows)  # the fast path recognises plain reads by type
+            from ..kernel.traps import Gather, Read, StepGate
+
+            for trap in (Read, StepGate, Gather):  # Write keeps its own: it marks itself awaited
+                module.install_await(trap)
             _module = module
         except Exception as err:
             _error = TLSBuildError(
