@@ -30,6 +30,8 @@ from .kernel.errors import (
 from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location
+from .pp.merge import NOT_HERE, RankDivergenceWarning
+from .pp.remote import RemoteValueError, pull
 from .tls import TLSBuildError
 from .trace.api import Invoke, Trace, generate, trace
 
@@ -65,7 +67,10 @@ __all__ = [
     "MissingAwaitError",
     "NeverReachedError",
     "OrderError",
+    "NOT_HERE",
     "PathError",
+    "RankDivergenceWarning",
+    "RemoteValueError",
     "Slot",
     "SlotError",
     "TLSBuildError",
@@ -74,5 +79,6 @@ __all__ = [
     "WriteError",
     "gather",
     "generate",
+    "pull",
     "trace",
 ]

@@ -28,7 +28,7 @@ from typing import Any
 
 from . import batching, traps
 from .errors import ForeignAwaitError, InternalError, NeverReachedError, OrderError, WriteError
-from .traps import GATHER, INPUT, INPUTS, KIND_NAMES, OUTPUT, READ, SKIP, SLOT, STEP, WRITE, Read
+from .traps import GATHER, INPUT, INPUTS, KIND_NAMES, OUTPUT, PULL, READ, SKIP, SLOT, STEP, WRITE, Read
 
 PARKED = object()  # a handler parked the block
 MISS = object()  # an intercept declined to serve a location
@@ -218,6 +218,7 @@ class Interleaver:
         "shard_out",
         "shard_in",
         "copy_after",
+        "on_pull",
         "__weakref__",
     )
 
@@ -252,7 +253,9 @@ class Interleaver:
         self._gates: list[tuple[Block, Any, int]] = []  # (block, gate, target step)
         self.position: Any = "the start of the run"  # where the model is: a str or (index, kind, n)
         self.intercept: Callable | None = None  # (block, read, step, occ) -> value | MISS
-        self.publish: Callable | None = None  # (index, kind, n, value) -> None
+        # (index, kind, n, value, due waits) -> None: the value after the blocks at a visit some
+        # block waited on were served (pipeline stages publish it for the other stages)
+        self.publish: Callable | None = None
         self.switch = switch  # the thread-local-state swap: BlockState(), enter(s), leave(s)
         self._enter = switch.enter if switch is not None else None
         self._leave = switch.leave if switch is not None else None
@@ -275,6 +278,9 @@ class Interleaver:
         # modules whose output the model edits in place after the call (vLLM's sampler divides the
         # logits by the temperature): once blocks have seen such a value, the model gets a copy
         self.copy_after: frozenset[int] = frozenset()
+        # pipeline parallel engines: ``await`` of a cross-stage value (block, pull trap) -> value,
+        # _Throw, or PARKED (the stage resumes the block at a serve point, through wake + serve)
+        self.on_pull: Callable[[Block, Any], Any] | None = None
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
@@ -356,6 +362,8 @@ class Interleaver:
                     value = self._on_step(block, msg)
                 elif trap == GATHER:
                     value = self._on_gather(block, msg)
+                elif trap == PULL and self.on_pull is not None:
+                    value = self.on_pull(block, msg)
                 else:
                     value = _Throw(_foreign(msg))
                 if value is PARKED:
@@ -634,38 +642,41 @@ class Interleaver:
         v = _Visit(index, n, OUTPUT, out=out if shard is None else shard.gather(out))
         prev, self.serving = self.serving, v
         try:
-            self._serve_waits(v, OUTPUT, key, lst)
+            due = self._serve_waits(v, OUTPUT, key, lst)
             if self.ready:
                 self.serve()
         finally:
             self.serving = prev
-        if self.publish is not None:
-            self.publish(index, OUTPUT, n, v.out)
+        if self.publish is not None and due:
+            self.publish(index, OUTPUT, n, v.out, due)
         out = v.out if shard is None else shard.split(v.out, out)
         return batching.copy(out) if index in self.copy_after else out
 
     def _serve_visit(self, v: _Visit, kinds: tuple) -> None:
         prev, self.serving = self.serving, v
         base = v.index * 4
+        served = []
         try:
             for kind in kinds:
                 lst = self.waits.get(base + kind)
                 if lst:
                     self.position = (v.index, kind, v.n)
-                    self._serve_waits(v, kind, base + kind, lst)
+                    served.append((kind, self._serve_waits(v, kind, base + kind, lst)))
             if self.ready:
                 self.serve()
         finally:
             self.serving = prev
         if self.publish is not None:
-            for kind in kinds:
-                self.publish(v.index, kind, v.n, v.get(kind))
+            for kind, due in served:
+                if due:
+                    self.publish(v.index, kind, v.n, v.get(kind), due)
 
-    def _serve_waits(self, v: _Visit, kind: int, key: int, lst: list) -> None:
+    def _serve_waits(self, v: _Visit, kind: int, key: int, lst: list) -> list:
+        """Serve the waits of ``lst`` due at this visit; returns them (the publish hook's)."""
         step, n = self.step, v.n
         due = [w for w in lst if w[4] == n and w[3] == step]
         if not due:
-            return
+            return due
         if len(due) == len(lst):
             del self.waits[key]
         else:
@@ -697,6 +708,7 @@ class Interleaver:
                     self._resume(block, None, err)
                     continue
                 self._resume(block, value, None)
+        return due
 
     def _read_value(self, block: Block, v: _Visit, trap: Read) -> Any:
         value = v.out if trap.kind == OUTPUT else v.get(trap.kind)

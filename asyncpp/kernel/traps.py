@@ -20,7 +20,7 @@ SKIP = 3  # supply the output instead of running the module
 KIND_NAMES = ("input", "inputs", "output", "skip")
 
 # trap tags
-READ, WRITE, STEP, SLOT, GATHER = range(5)
+READ, WRITE, STEP, SLOT, GATHER, PULL = range(6)  # PULL: a cross-stage value (asyncpp.pp)
 
 
 class Read:

@@ -98,6 +98,8 @@ class Controllers:
             make, self._install, self._remove = py_controller, _py_install, _py_remove
         self._entries: list = []
         for index, module in enumerate(modules):
+            if module is None:  # a module this process does not hold (another pipeline stage's)
+                continue
             own = module.__dict__.get("forward")  # an instance-level forward someone else set
             if hasattr(own, "asyncpp_replaced"):  # another engine's controller, mid-run
                 own = own.asyncpp_replaced

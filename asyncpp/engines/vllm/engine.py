@@ -22,11 +22,12 @@ import torch
 
 from ...kernel.errors import AsyncppError
 from ...locations.tree import tree_from_paths
+from ...pp.merge import NOT_HERE, merge
 from ...trace.bridge import await_future
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..local.inputs import InputError, token_rows
 from .transport import pack_block, unpack_outcome
-from .worker import ALIASES, EXTRA_KEY, ID_KEY
+from .worker import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 
 WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"
 
@@ -173,16 +174,21 @@ class VllmEngine(Engine):
             if len(rows) != 1:
                 raise InputError(f"{where}: one prompt per invoke on vLLM (got {len(rows)} rows)")
             prompts.append(rows[0])
-        ids = [f"asyncpp-{next(self._ids)}-{uuid.uuid4().hex[:8]}" for _ in invokes]
+        nums = [next(self._ids) for _ in invokes]
+        ids = [f"asyncpp-{n}-{uuid.uuid4().hex[:8]}" for n in nums]
         options = {"temperature": 0.0, **spec.model_kwargs}
         max_tokens = spec.max_new_tokens if spec.generate else 1
         params = [
             SamplingParams(
                 max_tokens=max_tokens,
                 **options,
-                extra_args={EXTRA_KEY: pack_block(inv.block, inv.args, inv.kwargs), ID_KEY: rid},
+                extra_args={
+                    EXTRA_KEY: pack_block(inv.block, inv.args, inv.kwargs),
+                    ID_KEY: rid,
+                    NUM_KEY: num,
+                },
             )
-            for inv, rid in zip(invokes, ids)
+            for inv, rid, num in zip(invokes, ids, nums)
         ]
         llm = self._llm
 
@@ -199,11 +205,11 @@ class VllmEngine(Engine):
         finally:
             # always collect, also when the caller gave up: the workers then drop every trace
             collect = asyncio.ensure_future(llm.collective_rpc("asyncpp_collect", args=(ids,)))
-            packed = (await asyncio.shield(collect))[0]
+            per_rank = await asyncio.shield(collect)
         outcome = RunOutcome([])
-        for final, data in zip(finals, packed):
+        for i, final in enumerate(finals):
             o = InvokeOutcome()
-            o.result, o.error = unpack_outcome(data)
+            o.result, o.error = self._outcome([ranks[i] for ranks in per_rank])
             if isinstance(final, BaseException):
                 o.error = final  # vLLM refused or lost the request: its own error says why
             elif final is not None:
@@ -212,6 +218,20 @@ class VllmEngine(Engine):
             outcome.invokes.append(o)
         outcome.output = [o.output for o in outcome.invokes]
         return outcome
+
+    def _outcome(self, packed: list[bytes]) -> tuple[Any, BaseException | None]:
+        """One request's outcome from every rank's: rank 0's, or on a pipeline-parallel engine the
+        stages' results merged (TP rank 0 of each stage); the first stage's error wins."""
+        pp = int(self.options.get("pipeline_parallel_size", 1) or 1)
+        if pp == 1:
+            return unpack_outcome(packed[0])
+        tp = int(self.options.get("tensor_parallel_size", 1) or 1)
+        stages = [unpack_outcome(packed[s * tp]) for s in range(pp)]
+        for _result, error in stages:
+            if error is not None:
+                return None, error
+        merged = merge([r for r, _ in stages])
+        return (None if merged is NOT_HERE else merged), None
 
 
 def _load_tokenizer(model: str) -> Any:

@@ -16,13 +16,17 @@ for good, and one long-lived interleaver serves all requests:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ... import tls
 from ...kernel.interleaver import Block, Interleaver
-from ...locations.tree import build_tree
+from ...locations.tree import build_tree, tree_from_paths
+from ...pp.ownership import Ownership, report
+from ...pp.stage import StageSession
+from ...pp.transport import PullService
 from ..local.controllers import Controllers
 from .tensor_parallel import find_shardings
 from .transport import pack_outcome, unpack_block
@@ -31,6 +35,7 @@ log = logging.getLogger("asyncpp.vllm")
 
 EXTRA_KEY = "asyncpp"  # SamplingParams.extra_args: the packed block
 ID_KEY = "asyncpp_id"  # SamplingParams.extra_args: the caller's id for the request
+NUM_KEY = "asyncpp_num"  # SamplingParams.extra_args: the request's number (cross-stage pulls)
 ALIASES = {"logits": "logits_processor", "samples": "sampler"}
 
 
@@ -39,6 +44,7 @@ class AsyncppWorker(CPUWorker):
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         out = super().load_model(*args, **kwargs)
+        _stack_dumps()
         self.asyncpp = WorkerSession(self.model_runner)
         return out
 
@@ -62,10 +68,11 @@ class AsyncppWorker(CPUWorker):
 
 
 class _Request:
-    __slots__ = ("aid", "payload", "block", "outcome", "error")
+    __slots__ = ("aid", "num", "payload", "block", "outcome", "error")
 
-    def __init__(self, aid: str, payload: bytes):
+    def __init__(self, aid: str, payload: bytes, num: int = 0):
         self.aid = aid
+        self.num = num
         self.payload = payload
         self.block: Block | None = None
         self.outcome: bytes | None = None  # packed, once the block is finished
@@ -78,7 +85,15 @@ class WorkerSession:
     def __init__(self, runner: Any):
         self.runner = runner
         model = runner.model
-        self.tree, modules, self.paths = build_tree(model, ALIASES, {"sampler": runner.sampler})
+        self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
+        self.nums: dict[int, int] = {}  # id(block) -> its request's number
+        self._starting = 0
+        pipeline = _pipeline(runner)
+        if pipeline is None:
+            self.tree, modules, self.paths = build_tree(model, ALIASES, {"sampler": runner.sampler})
+        else:
+            ownership, modules = pipeline.ownership, pipeline.modules
+            self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
         self.controllers = Controllers(modules)
         kernel = Interleaver(self.paths, 0, step_index=0, switch=tls.get_switch(), slot=self.controllers.slot)
         kernel.on_step = self._on_step
@@ -89,6 +104,9 @@ class WorkerSession:
         # the sampler edits the logits in place (temperature): blocks keep what they were served
         kernel.copy_after = frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor")
         self.kernel = kernel
+        if pipeline is not None:
+            self.stage = StageSession(kernel, ownership, pipeline.stage, pipeline.service, self._num_of)
+            log.info(ownership.describe(pipeline.stage))
         self.requests: dict[str, _Request] = {}  # vLLM request id -> request with a block
         self.by_aid: dict[str, str] = {}  # caller id -> vLLM request id
         self.done: dict[str, bytes] = {}  # caller id -> outcome of a request vLLM reported finished
@@ -110,7 +128,7 @@ class WorkerSession:
             if payload is None:
                 continue
             aid = str(extra.get(ID_KEY, new.req_id))
-            self.requests[new.req_id] = _Request(aid, payload)
+            self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)))
             self.by_aid[aid] = new.req_id
             prompt = len(new.prompt_token_ids or ())
             scheduled = so.num_scheduled_tokens.get(new.req_id, 0)
@@ -125,6 +143,8 @@ class WorkerSession:
             req = self.requests.get(rid)
             if req is not None:
                 self.done[req.aid] = self._finish(rid)
+        if self.stage is not None:
+            self.stage.serve()  # a serve point: the previous round has been sent on
 
     def _on_step(self, step: int) -> list[Block]:
         """At the start of each forward: every request's rows, and its block started if new."""
@@ -160,11 +180,16 @@ class WorkerSession:
             return None
         req.payload = b""
         self._order += 1
+        self._starting = req.num  # the block's first steps run inside start()
         block = self.kernel.start(
             coro, self._order, rows, name=getattr(fn, "__qualname__", "block"), req_rows=req_rows
         )
         req.block = block
+        self.nums[id(block)] = req.num
         return block
+
+    def _num_of(self, block: Block) -> int:
+        return self.nums.get(id(block), self._starting)
 
     def _finish(self, rid: str) -> bytes:
         """Run the request's block to its end, pack its outcome, drop all state of the request."""
@@ -175,10 +200,36 @@ class WorkerSession:
             err = req.error or RuntimeError("the request ended before its block could start")
             return pack_outcome(None, err)
         kernel = self.kernel
-        if not block.done:
-            kernel.finish_blocks([block])
-        kernel.forget(block)
-        return pack_outcome(block.result, block.error)
+        stage = self.stage
+        if stage is None:
+            if not block.done:
+                kernel.finish_blocks([block])
+            kernel.forget(block)
+            return pack_outcome(block.result, block.error)
+        result, error = None, None
+        try:
+            stage.serve([block])  # its parked pulls: every round of the request has run
+            if not block.done:
+                stage.outside = True  # code after its loops may await any value now
+                try:
+                    kernel.finish_blocks([block])
+                finally:
+                    stage.outside = False
+            error = block.error
+            if error is None:
+                result = stage.result(block.result)
+        except Exception as err:  # a pull that failed at the end: the request fails, not the worker
+            error = err
+        finally:
+            stage.forget(block)
+            kernel.forget(block)
+            self.nums.pop(id(block), None)
+        try:
+            stage.service.drain(req.num)  # every stage is done with the request: free its buffers
+        except Exception as err:
+            log.warning("asyncpp: %s", err)
+            error = error or err
+        return pack_outcome(result, error)
 
     def collect(self, ids: list[str]) -> list[bytes]:
         out = []
@@ -203,7 +254,94 @@ class WorkerSession:
             "gates": len(k._gates),
             "hot_in": len(k.hot_in),
             "hot_out": len(k.hot_out),
+            "pid": os.getpid(),
+            **self._stage_stats(),
         }
+
+    def _stage_stats(self) -> dict[str, int]:
+        if self.stage is None:
+            return {}
+        st = self.stage.service.stats
+        return {
+            "parked_pulls": len(self.stage.parked),
+            "pulls": st.get("pulls", 0),
+            "pull_bytes": st.get("bytes_in", 0),
+            "served_bytes": st.get("bytes_out", 0),
+            "buffered": st.get("buffered", 0),
+        }
+
+
+STACK_DUMP_ENV = (
+    "ASYNCPP_STACK_DUMP"  # "1": SIGUSR1 dumps every thread's stack to stderr; a folder: to a file there
+)
+_dump_file: Any = None
+
+
+def _stack_dumps() -> None:
+    """With ASYNCPP_STACK_DUMP set, ``kill -USR1 <worker pid>`` dumps the stack of every thread of
+    this worker (to stderr, or to ``<folder>/asyncpp-stacks-<pid>.txt``): what a hung pipeline is
+    waiting on."""
+    global _dump_file
+    import faulthandler
+    import signal
+
+    where = os.environ.get(STACK_DUMP_ENV, "")
+    if not where or where == "0":
+        return
+    if where == "1":
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        return
+    os.makedirs(where, exist_ok=True)
+    _dump_file = open(os.path.join(where, f"asyncpp-stacks-{os.getpid()}.txt"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_dump_file, all_threads=True)
+
+
+class _Pipeline:
+    __slots__ = ("ownership", "modules", "stage", "service")
+
+
+def _pipeline(runner: Any) -> _Pipeline | None:
+    """On a pipeline-parallel engine: this stage's ownership of the full tree, its modules by
+    index (None where another stage holds the module), and its cross-stage pull service."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    pp, tp = get_pp_group(), get_tp_group()
+    if pp.world_size == 1:
+        return None
+    _allocate_stage_input(runner)
+    model = runner.model
+    named = list(model.named_modules(remove_duplicate=True))
+    named += list(runner.sampler.named_modules(prefix="sampler", remove_duplicate=True))
+    mine = report(named)
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)  # every rank, rank = stage * tp_size + tp_rank
+    ownership = Ownership.from_reports([reports[s * tp.world_size] for s in range(pp.world_size)])
+    local = {path: module for (path, module), (_, _, real) in zip(named, mine) if real}
+    out = _Pipeline()
+    out.ownership = ownership
+    out.modules = [local.get(p) for p in ownership.paths]
+    out.stage = pp.rank_in_group
+    column = None
+    for t in range(tp.world_size):  # one pull group per TP column, created by every rank in order
+        group = dist.new_group([s * tp.world_size + t for s in range(pp.world_size)], backend="gloo")
+        if t == tp.rank_in_group:
+            column = group
+    out.service = PullService(column, pp.rank_in_group, pp.world_size)
+    out.service.start()
+    return out
+
+
+def _allocate_stage_input(runner: Any) -> None:
+    """vLLM (eager mode, CPU) allocates the receive buffer of stages after the first only in a
+    dummy forward it never runs there: allocate it once, as that forward would."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
 
 
 def _under(path: str, root: str) -> bool:

