@@ -1,0 +1,101 @@
+"""Pipeline parallel, engine tier: three stages against one, and TP=2 x PP=2 against TP=2, each
+engine in its own processes, running the same blocks. Parity: argmax equal, cosine >= 0.9999.
+
+Each class holds its two engines for its own tests only (class-scoped), so at most two engines
+run at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pp_engine import (
+    cross_stage_rmw,
+    generate_with_cross_stage_write,
+    read_logits_and_hidden,
+    run,
+    same,
+    same_logits,
+)
+
+import asyncpp
+
+pytest.importorskip("vllm")
+
+
+async def last_from_first(m):
+    """At PP=3: a write on the last stage (layer 3) computed from the first stage's value (layer 0),
+    skipping the middle stage."""
+    first = await m.model.layers[0].output
+    last = await m.model.layers[3].output
+    last[0][:] = last[0] - 0.5 * (first[0] + first[1])
+    return (await m.logits).clone()
+
+
+def engine(**options):
+    return asyncpp.VllmEngine(dtype="float32", **options)
+
+
+class TestThreeStages:
+    @pytest.fixture(scope="class")
+    def engines(self):
+        one = engine()
+        try:
+            three = engine(pipeline_parallel_size=3)
+        except BaseException:
+            one.close()
+            raise
+        yield one, three
+        three.close()
+        one.close()
+
+    def test_logits_and_hidden_states(self, engines):
+        one, three = engines
+        a, b = run(one, read_logits_and_hidden).result, run(three, read_logits_and_hidden).result
+        same(a["early"], b["early"])
+        same(a["late"], b["late"])
+        same_logits(a["logits"], b["logits"])
+
+    def test_last_stage_write_from_first_stage_value(self, engines):
+        one, three = engines
+        a, b = run(one, last_from_first).result, run(three, last_from_first).result
+        same_logits(a, b)
+        plain = run(one, read_logits_and_hidden).result["logits"]
+        assert not torch.allclose(plain, a)
+
+    def test_generation_with_a_cross_stage_write_every_step(self, engines):
+        one, three = engines
+        a = run(one, generate_with_cross_stage_write, max_new_tokens=6)
+        b = run(three, generate_with_cross_stage_write, max_new_tokens=6)
+        assert a.tokens.tolist() == b.tokens.tolist()
+
+
+class TestTensorAndPipeline:
+    @pytest.fixture(scope="class")
+    def engines(self):
+        tp = engine(tensor_parallel_size=2)
+        try:
+            both = engine(tensor_parallel_size=2, pipeline_parallel_size=2)
+        except BaseException:
+            tp.close()
+            raise
+        yield tp, both
+        both.close()
+        tp.close()
+
+    def test_logits_and_hidden_states(self, engines):
+        tp, both = engines
+        a, b = run(tp, read_logits_and_hidden).result, run(both, read_logits_and_hidden).result
+        same(a["early"], b["early"])
+        same(a["late"], b["late"])
+        same_logits(a["logits"], b["logits"])
+
+    def test_cross_stage_read_modify_write(self, engines):
+        tp, both = engines
+        same_logits(run(tp, cross_stage_rmw).result, run(both, cross_stage_rmw).result)
+
+    def test_generation_with_a_cross_stage_write_every_step(self, engines):
+        tp, both = engines
+        a = run(tp, generate_with_cross_stage_write, max_new_tokens=5)
+        b = run(both, generate_with_cross_stage_write, max_new_tokens=5)
+        assert a.tokens.tolist() == b.tokens.tolist()
