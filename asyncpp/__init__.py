@@ -32,6 +32,7 @@ from .kernel.traps import Gather
 from .locations.location import Location
 from .pp.merge import NOT_HERE, RankDivergenceWarning
 from .pp.remote import RemoteValueError, pull
+from .pp.transport import PullError, PullTimeout
 from .tls import TLSBuildError
 from .trace.api import Invoke, Trace, generate, trace
 
@@ -69,6 +70,8 @@ __all__ = [
     "OrderError",
     "NOT_HERE",
     "PathError",
+    "PullError",
+    "PullTimeout",
     "RankDivergenceWarning",
     "RemoteValueError",
     "Slot",

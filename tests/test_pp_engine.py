@@ -200,3 +200,47 @@ def test_signal_dumps_every_threads_stack_in_every_worker(two_stages, dumps):
         text = f.read_text()
         assert "Thread 0x" in text and "File" in text, text[:500]
     assert run(two_stages, read_nothing_used).result == 1  # the workers go on
+
+
+async def catch_pull_error(m):
+    samples = await m.samples  # the sampler's output: a dataclass, not tensors: it cannot travel
+    try:
+        await asyncpp.pull(samples)
+    except asyncpp.PullError as err:  # raised at this line on the stages that had to pull it
+        return {"error": str(err)}
+    return {"ok": True}
+
+
+def test_a_failed_pull_raises_in_the_block_where_it_can_be_caught(two_stages):
+    got = run(two_stages, catch_pull_error).result
+    assert got["ok"] is True  # the owning stage
+    assert "sampler.output" in got["error"] and "stage 1" in got["error"], got["error"]
+    assert run(two_stages, read_nothing_used).result == 1  # the engine goes on
+
+
+def test_requests_leave_no_state_on_any_stage(two_stages):
+    async def many(n):
+        async def one(i):
+            async with asyncpp.trace(two_stages) as t:
+                h = t.invoke("Hello" * (1 + i % 3), cross_stage_rmw if i % 2 else await_downstream)
+            return h.result
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    asyncio.run(many(24))
+    for stats in two_stages.worker_stats():
+        held = {
+            k: stats[k]
+            for k in (
+                "requests",
+                "done",
+                "blocks",
+                "waits",
+                "parked_pulls",
+                "buffered",
+                "waiting",
+                "drains",
+                "open_pulls",
+            )
+        }
+        assert all(v == 0 for v in held.values()), held

@@ -341,6 +341,7 @@ class PullService:
         self._slots: dict[int, _Slot] = {}
         self._tickets = itertools.count(1)
         self._drains: dict[int, set[int]] = {}
+        self._released: dict[int, None] = {}  # released here, waiting for the peers' DRAIN
         self._drain_abandoned: dict[int, None] = {}  # drains that gave up: their late DRAINs are dropped
         self._byes_in: set[int] = set()
         self._outbox: queue.SimpleQueue[_Out | None] = queue.SimpleQueue()
@@ -349,6 +350,16 @@ class PullService:
         self._started = False
         self._closed = False
         self._broken: str | None = None
+
+    def held(self) -> dict[str, int]:
+        """Per-request state held now (for leak checks): buffered values, waiting pulls, drains."""
+        with self._lock:
+            return {
+                "buffered": sum(len(v) for v in self._values.values()),
+                "waiting": sum(len(w) for w in self._waiters.values()),
+                "drains": len(self._drains) + len(self._released),
+                "open_pulls": len(self._slots),
+            }
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -452,6 +463,28 @@ class PullService:
         if entry is None:
             raise KeyError(f"stage {self.rank} holds no value for request {req}, key {key}, tag {tag}")
         return self._open(entry, where=f"request {req} key {key} tag {tag}", owner=self.rank)
+
+    def release(self, req: int) -> None:
+        """Request end without waiting: tell every peer this rank is done with ``req``; its buffer is
+        cleared once every peer has said the same (at once if they already have), so no rank frees
+        values another may still pull, and no rank waits on another's order of requests."""
+        if self.world == 1:
+            self.clear(req)
+            return
+        with self._lock:
+            usable = self._started and not self._closed and self._broken is None
+        if usable:
+            for peer in range(self.world):
+                if peer != self.rank:
+                    self._post(_Out(peer, _header(_DRAIN, self.rank, req), ctrl=True))
+        with self._lock:
+            done = len(self._drains.get(req, ())) == self.world - 1 or not usable
+            if done:
+                self._drains.pop(req, None)
+            else:
+                self._released[req] = None
+        if done:
+            self.clear(req)
 
     def clear(self, req: int) -> None:
         """Drop every buffered value of ``req`` on this rank; pulls still waiting here for one of its
@@ -724,6 +757,7 @@ class PullService:
         )
         nbytes = _HDR_BYTES + (0 if body is None else body.numel())
         todo: _Entry | None = None
+        released: int | None = None
         with self._lock:
             if kind in (_DRAIN, _BYE):
                 self.stats["ctrl_bytes_in"] += nbytes
@@ -756,8 +790,13 @@ class PullService:
                             del self._waiters[req]
             elif kind == _DRAIN:
                 if req not in self._drain_abandoned:  # else: the late half of a drain that gave up here
-                    self._drains.setdefault(req, set()).add(src)
+                    got = self._drains.setdefault(req, set())
+                    got.add(src)
                     self._cv.notify_all()
+                    if req in self._released and len(got) == self.world - 1:
+                        released = req  # every peer is done with it too: clear it (below)
+                        self._released.pop(req, None)
+                        self._drains.pop(req, None)
             elif kind == _BYE:
                 self._byes_in.add(src)
                 for per_loc in self._waiters.values():  # its waiting pulls: nobody to answer any more
@@ -773,3 +812,5 @@ class PullService:
                 log.error("stage %d got an unknown message kind %d from stage %d", self.rank, kind, src)
         if todo is not None:
             self._reply(src, ticket, req, key, tag, todo)
+        if released is not None:
+            self.clear(released)

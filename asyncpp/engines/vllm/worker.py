@@ -139,7 +139,7 @@ class WorkerSession:
                     f"Keep chunked prefill off, long_prefill_token_threshold at 0 and "
                     f"max_num_batched_tokens at least as long as the longest prompt"
                 )
-        for rid in so.finished_req_ids:
+        for rid in sorted(so.finished_req_ids):  # a set: the same order on every rank
             req = self.requests.get(rid)
             if req is not None:
                 self.done[req.aid] = self._finish(rid)
@@ -224,11 +224,8 @@ class WorkerSession:
             stage.forget(block)
             kernel.forget(block)
             self.nums.pop(id(block), None)
-        try:
-            stage.service.drain(req.num)  # every stage is done with the request: free its buffers
-        except Exception as err:
-            log.warning("asyncpp: %s", err)
-            error = error or err
+        # this stage is done with the request: its buffers go once every stage has said the same
+        stage.service.release(req.num)
         return pack_outcome(result, error)
 
     def collect(self, ids: list[str]) -> list[bytes]:
@@ -267,7 +264,7 @@ class WorkerSession:
             "pulls": st.get("pulls", 0),
             "pull_bytes": st.get("bytes_in", 0),
             "served_bytes": st.get("bytes_out", 0),
-            "buffered": st.get("buffered", 0),
+            **self.stage.service.held(),
         }
 
 

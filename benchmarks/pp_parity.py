@@ -1,0 +1,694 @@
+"""Pipeline-parallel parity: interpretability workloads on a vLLM engine split over two stages,
+compared cell by cell with the same workloads on one stage.
+
+Every configuration is an ``asyncpp.VllmEngine(dtype="float32")`` on the embedded tiny 4-layer
+Llama (random weights, hidden 128, vocab 259, byte-level tokenizer), started one at a time (each is
+closed before the next starts): PP=1 (one stage, the reference), PP=2 (layers 0-1 on stage 0,
+2-3 on stage 1) and, with ``--tp``, TP=2 (one stage, two tensor-parallel ranks) and TP=2 x PP=2
+(four workers; compared with TP=2). Each runs the same blocks on the same prompts, greedy:
+
+1. **logit lens**: every layer's residual stream at the last token, ``(out[0] + out[1])[-1]``,
+   through the final RMSNorm and the unembedding, computed inside the block from the weights of
+   ``asyncpp.models.load_tiny()`` passed as block arguments (cells: layers x prompts);
+2. **steering**: a fixed random vector (seed 0, unit norm, times 4) added to layer 1's residual
+   stream at the last token; the final logits (cells: prompts);
+3. **ablation**: layer 2's MLP output zeroed; the final logits;
+4. **activation patching**: a clean run returns layer 1's residual at its last token; a second
+   trace runs the corrupted prompt with that value written into layer 1's output
+   (``out[0][-1] = patched - out[1][-1]``); the final logits;
+5. **generation steering**: 8 greedy tokens (``ignore_eos``) with the steering vector added at
+   layer 1 (last row) at every step; the logits of every step (cells: steps x prompts), and the
+   tokens (they must be equal too);
+6. **attribution**: for each layer, its MLP output zeroed, and the change of the clean run's top-1
+   logit (cells: layers x prompts; the changes themselves are compared too).
+
+All invokes of a workload run concurrently, in one trace (patching: two traces, clean then
+patched). Per workload and configuration: **top-1 agreement** (the fraction of cells whose argmax
+equals the reference's), the **largest total variation distance** between next-token distributions,
+``0.5 * sum |softmax(a) - softmax(b)|`` in float64, the largest absolute difference of the raw
+logits (attribution: of the recorded changes), the **bytes pulled across stages** per run of the
+workload (the sum over ranks of the change of ``engine.worker_stats()[r]["pull_bytes"]``), and the
+**wall time ratio** to the reference (the median of ``--repeats`` timed runs each, after one
+untimed warm-up run whose results are the ones compared). Targets: top-1 agreement 1.00 and total
+variation 0.000 at float32.
+
+The script also checks, on every engine, that each intervention did something, so that a no-op
+cannot pass: steering, ablation, patching and generation steering must change every cell's logits
+against a run without the intervention (max |logit change| > ``EFFECT_MIN``), every attribution
+ablation must change the clean logits, and the lens of the last layer must reproduce the model's
+own final logits (same argmax, total variation < ``LENS_TV_MAX``). A failed check is printed as
+``FAIL: ...`` and the exit status is 1.
+
+Usage::
+
+    .venv/bin/python benchmarks/pp_parity.py                 # PP=2 against PP=1, print the table
+    .venv/bin/python benchmarks/pp_parity.py --write         # also update docs/performance.md
+    .venv/bin/python benchmarks/pp_parity.py --tp            # also TP=2 x PP=2 against TP=2 (slow)
+    .venv/bin/python benchmarks/pp_parity.py --quick         # 3 prompts, 1 timed run: to try it
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import bench_common
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "performance.md"
+SECTION = "## Pipeline parallel parity (benchmarks/pp_parity.py)"
+
+# (clean prompt, corrupted prompt): the clean ones serve every workload; the corrupted ones are
+# the patching runs' targets
+PROMPT_PAIRS = [
+    ("The capital of France is", "The capital of Italy is"),
+    ("The quick brown fox jumps over the", "The quick brown cat jumps over the"),
+    ("Once upon a time, there was a little", "Once upon a time, there was a giant"),
+    ("def add(a, b): return a +", "def sub(a, b): return a -"),
+    ("1, 2, 3, 4, 5,", "9, 8, 7, 6, 5,"),
+    ("She opened the door and saw", "He closed the window and saw"),
+]
+QUICK_PROMPTS = 3
+STEER_LAYER = 1
+ABLATE_LAYER = 2
+PATCH_LAYER = 1
+STEER_SCALE = 4.0
+STEER_SEED = 0
+NEW_TOKENS = 8
+
+TOP1_TARGET = 1.0
+TV_TARGET = 0.0005  # "0.000" at 3 decimals
+EFFECT_MIN = 1e-3  # an intervention must move some logit of every cell by more than this
+LENS_TV_MAX = 1e-4  # the last layer's lens against the model's own logits
+
+perf = time.perf_counter
+
+
+# ------------------------------------------------------------------------------------------------
+# the blocks (pickled by value into every request, run by every stage)
+
+
+async def final_logits(m):
+    return (await m.logits)[0].clone()
+
+
+async def logit_lens(m, w_norm, w_lm, eps):
+    lens = []
+    for layer in m.model.layers:
+        out = await layer.output  # (mlp_out, residual): index, never unpack (a remote value)
+        h = (out[0] + out[1])[-1]
+        lens.append((F.rms_norm(h, (w_norm.shape[0],), w_norm, eps) @ w_lm.T).clone())
+    return {"lens": lens, "logits": (await m.logits)[0].clone()}
+
+
+async def steer(m, vec, layer):
+    out = await m.model.layers[layer].output
+    out[0][-1] += vec  # adds vec to the residual stream at the last token
+    return (await m.logits)[0].clone()
+
+
+async def ablate_mlp(m, layer):
+    (await m.model.layers[layer].mlp.output)[:] = 0
+    return (await m.logits)[0].clone()
+
+
+async def read_residual(m, layer):
+    out = await m.model.layers[layer].output
+    return {"resid": (out[0][-1] + out[1][-1]).clone(), "logits": (await m.logits)[0].clone()}
+
+
+async def patch_residual(m, patched, layer):
+    out = await m.model.layers[layer].output
+    out[0][-1] = patched - out[1][-1]  # the residual stream at the last token becomes `patched`
+    return (await m.logits)[0].clone()
+
+
+async def steer_every_step(m, vec, layer):
+    logits = []
+    async for _ in m.steps():
+        if vec is not None:
+            out = await m.model.layers[layer].output
+            out[0][-1] += vec
+        logits.append((await m.logits)[0].clone())
+    return logits
+
+
+# ------------------------------------------------------------------------------------------------
+# the workloads: each runs its traces on one engine and returns its cells
+
+
+@dataclass
+class Out:
+    cells: list[torch.Tensor]  # next-token logits, [vocab] each
+    labels: list[str]
+    values: list[float] | None = None  # attribution: the change of the clean top-1 logit
+    tokens: list[list[int]] | None = None  # generation: the tokens of every prompt
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Ctx:
+    prompts: list[str]
+    corrupt: list[str]
+    vec: torch.Tensor
+    w_norm: torch.Tensor
+    w_lm: torch.Tensor
+    eps: float
+    layers: int
+    new_tokens: int
+
+
+def run(engine: Any, invokes: list[tuple], **kw: Any) -> list[Any]:
+    import asyncpp
+
+    entry = asyncpp.generate if "max_new_tokens" in kw else asyncpp.trace
+    with entry(engine, **kw) as t:
+        handles = [t.invoke(prompt, block, *args) for prompt, block, *args in invokes]
+    return handles
+
+
+def w_plain(engine: Any, ctx: Ctx) -> Out:
+    hs = run(engine, [(p, final_logits) for p in ctx.prompts + ctx.corrupt])
+    n = len(ctx.prompts)
+    return Out(
+        [h.result for h in hs[:n]],
+        [f"p{i}" for i in range(n)],
+        extra={"corrupt": [h.result for h in hs[n:]]},
+    )
+
+
+def w_plain_gen(engine: Any, ctx: Ctx) -> Out:
+    hs = run(
+        engine,
+        [(p, steer_every_step, None, 0) for p in ctx.prompts],
+        max_new_tokens=ctx.new_tokens,
+        ignore_eos=True,
+    )
+    return Out(
+        [c for h in hs for c in h.result],
+        [f"p{i} step {s}" for i, h in enumerate(hs) for s in range(len(h.result))],
+        tokens=[h.tokens[0].tolist() for h in hs],
+    )
+
+
+def w_lens(engine: Any, ctx: Ctx) -> Out:
+    hs = run(engine, [(p, logit_lens, ctx.w_norm, ctx.w_lm, ctx.eps) for p in ctx.prompts])
+    return Out(
+        [c for h in hs for c in h.result["lens"]],
+        [f"p{i} layer {k}" for i, h in enumerate(hs) for k in range(len(h.result["lens"]))],
+        extra={"final": [h.result["logits"] for h in hs]},
+    )
+
+
+def w_steer(engine: Any, ctx: Ctx) -> Out:
+    hs = run(engine, [(p, steer, ctx.vec, STEER_LAYER) for p in ctx.prompts])
+    return Out([h.result for h in hs], [f"p{i}" for i in range(len(hs))])
+
+
+def w_ablate(engine: Any, ctx: Ctx) -> Out:
+    hs = run(engine, [(p, ablate_mlp, ABLATE_LAYER) for p in ctx.prompts])
+    return Out([h.result for h in hs], [f"p{i}" for i in range(len(hs))])
+
+
+def w_patch(engine: Any, ctx: Ctx) -> Out:
+    clean = run(engine, [(p, read_residual, PATCH_LAYER) for p in ctx.prompts])
+    resid = [h.result["resid"] for h in clean]
+    hs = run(engine, [(c, patch_residual, r, PATCH_LAYER) for c, r in zip(ctx.corrupt, resid, strict=True)])
+    return Out([h.result for h in hs], [f"p{i}" for i in range(len(hs))], extra={"resid": resid})
+
+
+def w_gen(engine: Any, ctx: Ctx) -> Out:
+    hs = run(
+        engine,
+        [(p, steer_every_step, ctx.vec, STEER_LAYER) for p in ctx.prompts],
+        max_new_tokens=ctx.new_tokens,
+        ignore_eos=True,
+    )
+    return Out(
+        [c for h in hs for c in h.result],
+        [f"p{i} step {s}" for i, h in enumerate(hs) for s in range(len(h.result))],
+        tokens=[h.tokens[0].tolist() for h in hs],
+    )
+
+
+def w_attrib(engine: Any, ctx: Ctx) -> Out:
+    n = len(ctx.prompts)
+    invokes = [(p, final_logits) for p in ctx.prompts]
+    invokes += [(p, ablate_mlp, k) for k in range(ctx.layers) for p in ctx.prompts]
+    hs = run(engine, invokes)
+    clean = [h.result for h in hs[:n]]
+    cells, labels, values = [], [], []
+    for k in range(ctx.layers):
+        for i in range(n):
+            ablated = hs[n + k * n + i].result
+            top = int(clean[i].argmax())
+            cells.append(ablated)
+            labels.append(f"p{i} layer {k}")
+            values.append(float(ablated[top] - clean[i][top]))
+    return Out(cells, labels, values=values, extra={"clean": clean})
+
+
+WORKLOADS = {
+    "logit lens": w_lens,
+    "steering": w_steer,
+    "ablation": w_ablate,
+    "activation patching": w_patch,
+    "generation steering": w_gen,
+    "attribution": w_attrib,
+}
+CELLS = {
+    "logit lens": "layers x prompts",
+    "steering": "prompts",
+    "ablation": "prompts",
+    "activation patching": "prompts",
+    "generation steering": "steps x prompts",
+    "attribution": "layers x prompts",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring
+
+
+@dataclass
+class Measured:
+    out: Out
+    times: list[float]
+    pulled: list[int]  # bytes pulled across stages, per run (warm-up first)
+    pulls: list[int]
+
+
+def pulled(engine: Any) -> tuple[int, int]:
+    stats = engine.worker_stats()
+    return sum(s.get("pull_bytes", 0) for s in stats), sum(s.get("pulls", 0) for s in stats)
+
+
+def measure(engine: Any, fn: Any, ctx: Ctx, repeats: int) -> Measured:
+    outs, times, nbytes, npulls = [], [], [], []
+    for _ in range(1 + repeats):  # the first run is the untimed warm-up; its cells are compared
+        b0, p0 = pulled(engine)
+        t0 = perf()
+        outs.append(fn(engine, ctx))
+        times.append(perf() - t0)
+        b1, p1 = pulled(engine)
+        nbytes.append(b1 - b0)
+        npulls.append(p1 - p0)
+    return Measured(outs[0], times[1:], nbytes, npulls)
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    pa, pb = a.double().softmax(-1), b.double().softmax(-1)
+    return float(0.5 * (pa - pb).abs().sum())
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+@dataclass
+class Compared:
+    cells: int
+    top1: float
+    max_tv: float
+    max_abs: float
+    values_abs: float | None
+    tokens_equal: bool | None
+    worst: str
+
+
+def compare(ref: Out, got: Out) -> Compared:
+    if ref.labels != got.labels:
+        raise SystemExit(f"FAIL: the cells differ: {ref.labels} against {got.labels}")
+    tvs = [tv(a, b) for a, b in zip(ref.cells, got.cells, strict=True)]
+    agree = [int(a.argmax()) == int(b.argmax()) for a, b in zip(ref.cells, got.cells, strict=True)]
+    worst = max(range(len(tvs)), key=tvs.__getitem__)
+    values_abs = None
+    if ref.values is not None and got.values is not None:
+        values_abs = max(abs(a - b) for a, b in zip(ref.values, got.values, strict=True))
+    return Compared(
+        cells=len(tvs),
+        top1=sum(agree) / len(agree),
+        max_tv=max(tvs),
+        max_abs=max(max_abs(a, b) for a, b in zip(ref.cells, got.cells, strict=True)),
+        values_abs=values_abs,
+        tokens_equal=None if ref.tokens is None else ref.tokens == got.tokens,
+        worst=ref.labels[worst],
+    )
+
+
+def effect_checks(
+    name: str, res: dict[str, Measured], plain: Out, plain_gen: Out
+) -> tuple[dict[str, str], list[str]]:
+    """What each intervention did against a run without it, on this engine; and the failures."""
+    notes, fails = {}, []
+
+    def changed(
+        workload: str, cells: list[torch.Tensor], base: list[torch.Tensor], labels: list[str]
+    ) -> None:
+        moves = [max_abs(a, b) for a, b in zip(cells, base, strict=True)]
+        tvs = [tv(a, b) for a, b in zip(cells, base, strict=True)]
+        flips = sum(int(a.argmax()) != int(b.argmax()) for a, b in zip(cells, base, strict=True))
+        notes[workload] = (
+            f"vs no intervention: min TV {min(tvs):.3f}, min max-abs {min(moves):.3g}, "
+            f"top-1 changed {flips}/{len(cells)}"
+        )
+        for lab, mv in zip(labels, moves, strict=True):
+            if not mv > EFFECT_MIN:
+                fails.append(
+                    f"{name}, {workload}, {lab}: the intervention moved no logit by more than {EFFECT_MIN} ({mv:.3g})"
+                )
+
+    changed("steering", res["steering"].out.cells, plain.cells, plain.labels)
+    changed("ablation", res["ablation"].out.cells, plain.cells, plain.labels)
+    changed("activation patching", res["activation patching"].out.cells, plain.extra["corrupt"], plain.labels)
+    gen = res["generation steering"].out
+    changed("generation steering", gen.cells[: len(plain_gen.cells)], plain_gen.cells, plain_gen.labels)
+    if len(gen.cells) != len(plain_gen.cells):
+        fails.append(
+            f"{name}, generation steering: {len(gen.cells)} steps against {len(plain_gen.cells)} without steering"
+        )
+    if gen.tokens is not None and plain_gen.tokens is not None:
+        differ = sum(a != b for a, b in zip(gen.tokens, plain_gen.tokens, strict=True))
+        notes["generation steering"] += f"; token sequences changed {differ}/{len(gen.tokens)}"
+    at = res["attribution"].out
+    n = len(plain.cells)
+    changed("attribution", at.cells, plain.cells * (len(at.cells) // n), at.labels)
+    notes["attribution"] += f"; largest |top-1 logit change| {max(abs(v) for v in at.values or [0]):.3g}"
+    lens = res["logit lens"].out
+    layers = len(lens.cells) // n
+    lens_tv = []
+    for i, final in enumerate(lens.extra["final"]):
+        last = lens.cells[i * layers + layers - 1]
+        lens_tv.append(tv(last, final))
+        if int(last.argmax()) != int(final.argmax()) or lens_tv[-1] > LENS_TV_MAX:
+            fails.append(
+                f"{name}, logit lens, p{i}: the last layer's lens is not the model's logits (TV {lens_tv[-1]:.3g})"
+            )
+    notes["logit lens"] = f"last layer's lens vs the model's logits: max TV {max(lens_tv):.1e}"
+    for i, (a, b) in enumerate(zip(lens.extra["final"], plain.cells, strict=True)):
+        if max_abs(a, b) > 1e-4:
+            fails.append(
+                f"{name}, logit lens, p{i}: the lens block changed the final logits ({max_abs(a, b):.3g})"
+            )
+    return notes, fails
+
+
+@dataclass
+class Config:
+    name: str
+    options: dict[str, int]
+    ref: str | None
+    workers: int
+
+
+def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
+    import asyncpp
+
+    t0 = perf()
+    engine = asyncpp.VllmEngine(dtype="float32", **cfg.options)
+    startup = perf() - t0
+    try:
+        if len(engine.worker_stats()) != cfg.workers:
+            raise SystemExit(
+                f"FAIL: {cfg.name}: {len(engine.worker_stats())} workers, expected {cfg.workers}"
+            )
+        plain = w_plain(engine, ctx)
+        plain_gen = w_plain_gen(engine, ctx)
+        res = {}
+        for name, fn in WORKLOADS.items():
+            res[name] = measure(engine, fn, ctx, repeats)
+            print(
+                f"  {cfg.name}: {name}: {median(res[name].times) * 1000:.0f} ms, "
+                f"{res[name].pulled[-1]} bytes pulled per run",
+                flush=True,
+            )
+        leftover = [
+            {
+                k: v
+                for k, v in s.items()
+                if k in ("requests", "blocks", "waits", "parked_pulls", "buffered") and v
+            }
+            for s in engine.worker_stats()
+        ]
+    finally:
+        t1 = perf()
+        engine.close()
+        closing = perf() - t1
+    notes, fails = effect_checks(cfg.name, res, plain, plain_gen)
+    if any(leftover):
+        fails.append(f"{cfg.name}: state left on the workers after the run: {leftover}")
+    return {"res": res, "notes": notes, "fails": fails, "startup": startup, "close": closing, "plain": plain}
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+
+
+def machine_info() -> dict[str, str]:
+    import vllm
+
+    import asyncpp
+
+    rev = bench_common.git_rev()
+    where = Path(asyncpp.__file__).resolve().parent
+    version = f"{asyncpp.__version__}, {rev}" if where.is_relative_to(ROOT) and rev else str(where)
+    return {
+        "cpu": bench_common.cpu_model(),
+        "cores": f"{os.cpu_count()} logical, {bench_common.usable_cores()} usable",
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "asyncpp": version,
+    }
+
+
+def human_bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    if n < 1024**2:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024**2:.2f} MiB"
+
+
+def pulled_text(m: Measured, stages: bool) -> str:
+    if not stages:
+        return "- (one stage)"
+    lo, hi = min(m.pulled), max(m.pulled)
+    text = human_bytes(median(m.pulled))
+    if lo != hi:
+        text += f" ({human_bytes(lo)} to {human_bytes(hi)})"
+    return text + f", {round(median(m.pulls))} pulls"
+
+
+def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str, str, list[str]]:
+    header = [
+        "workload (cells)",
+        "config vs reference",
+        "cells",
+        "top-1 agreement",
+        "max TV",
+        "max TV (raw)",
+        "max abs logit diff",
+        "bytes pulled per run",
+        "wall time ratio (median ms)",
+        "target",
+        "verdict",
+    ]
+    rows, fails = [], []
+    for name in WORKLOADS:
+        for cfg in configs:
+            if cfg.ref is None:
+                continue
+            ref, got = done[cfg.ref]["res"][name], done[cfg.name]["res"][name]
+            c = compare(ref.out, got.out)
+            ok = c.top1 >= TOP1_TARGET and c.max_tv < TV_TARGET and c.tokens_equal is not False
+            if not ok:
+                fails.append(
+                    f"{cfg.name} vs {cfg.ref}, {name}: top-1 {c.top1:.2f}, max TV {c.max_tv:.3e} at {c.worst}"
+                )
+            diff = f"{c.max_abs:.1e}"
+            if c.values_abs is not None:
+                diff += f"; top-1 logit changes {c.values_abs:.1e}"
+            if c.tokens_equal is not None:
+                diff += "; tokens " + ("equal" if c.tokens_equal else "**DIFFER**")
+            t_ref, t_got = median(ref.times), median(got.times)
+            rows.append(
+                [
+                    f"{name} ({CELLS[name]})",
+                    f"{cfg.name} vs {cfg.ref}",
+                    str(c.cells),
+                    f"{c.top1:.2f}",
+                    f"{c.max_tv:.3f}",
+                    f"{c.max_tv:.2e}",
+                    diff,
+                    pulled_text(got, cfg.options.get("pipeline_parallel_size", 1) > 1),
+                    f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f})",
+                    "top-1 1.00, TV 0.000",
+                    "pass" if ok else "**FAIL**",
+                ]
+            )
+    main = bench_common.md_table(header, rows)
+    checks = []
+    for cfg in configs:
+        for name in WORKLOADS:
+            checks.append([cfg.name, name, done[cfg.name]["notes"].get(name, "-")])
+        fails += done[cfg.name]["fails"]
+    effects = bench_common.md_table(
+        ["config", "workload", "what the intervention did on this engine"], checks
+    )
+    return main, effects, fails
+
+
+def render(
+    main: str,
+    effects: str,
+    fails: list[str],
+    info: dict[str, str],
+    secs: dict[str, float],
+    ctx: Ctx,
+    args: Any,
+) -> str:
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
+    took = ", ".join(f"{k} {v:.0f} s" for k, v in secs.items())
+    prompts = ", ".join(f"`{p!r}`" for p in ctx.prompts)
+    tp = (
+        " With `--tp`, also TP=2 (one stage, two tensor-parallel ranks) against PP=1, and TP=2 x PP=2\n"
+        "(four workers) against TP=2."
+        if args.tp
+        else " (`--tp` adds TP=2 against PP=1 and TP=2 x PP=2 against TP=2.)"
+    )
+    status = "All checks passed." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails)
+    return f"""{SECTION}
+
+Whether interpretability workloads give the same numbers when the engine is split into pipeline
+stages. Every configuration is an `asyncpp.VllmEngine(dtype="float32")` on the embedded tiny
+4-layer Llama (random weights), one engine at a time: PP=2 (layers 0-1 / 2-3) against PP=1.{tp}
+The same blocks run on the same {len(ctx.prompts)} prompts ({prompts}), greedy. Workloads: the logit
+lens (each layer's last-token residual through the final norm and the unembedding, inside the
+block, with the weights passed as arguments), steering (a seed-0 random unit vector times
+{STEER_SCALE:g} added to layer {STEER_LAYER}'s residual at the last token), ablation (layer
+{ABLATE_LAYER}'s MLP output zeroed), activation patching (layer {PATCH_LAYER}'s last-token residual of a
+clean run written into a corrupted prompt's run: two traces), generation steering ({ctx.new_tokens}
+tokens, the vector added every step; the logits of every step, and the tokens) and attribution
+(each layer's MLP ablated in turn; the change of the clean top-1 logit is compared too). A cell is
+one next-token distribution: top-1 agreement is the fraction of cells whose argmax equals the
+reference's; TV is the largest total variation distance `0.5 * sum |softmax(a) - softmax(b)|`
+(float64) over the cells. Bytes pulled: the sum over ranks of `worker_stats()["pull_bytes"]`
+grown by one run of the workload (all its invokes run concurrently in one trace). The wall time
+ratio divides the medians of {args.repeats} timed runs each (after an untimed warm-up run, whose
+cells are the ones compared). On every engine the script also checks that each intervention
+changed every cell's logits against a run without it (by more than {EFFECT_MIN:g} in some logit),
+and that the last layer's lens reproduces the model's own logits; the second table says what each
+did.
+
+Command: `{bench_common.command_line(__file__)}` ({date}; {took})
+
+{machine}
+- load average before the run: {args.load}
+
+{main}
+
+{effects}
+
+{status}
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", action="store_true", help="also TP=2 and TP=2 x PP=2 (four workers: slow)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per workload (default 3)")
+    ap.add_argument(
+        "--prompts", type=int, default=len(PROMPT_PAIRS), help=f"prompts (at most {len(PROMPT_PAIRS)})"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_PROMPTS} prompts, 1 timed run: to try the script"
+    )
+    ap.add_argument("--write", action="store_true", help="update the section in docs/performance.md")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.repeats = QUICK_PROMPTS, 1
+    if not 1 <= args.prompts <= len(PROMPT_PAIRS) or args.repeats < 1:
+        ap.error(f"--prompts must be 1 to {len(PROMPT_PAIRS)} and --repeats positive")
+    return args
+
+
+def make_ctx(n_prompts: int) -> Ctx:
+    from asyncpp.models import load_tiny
+
+    model, _tok = load_tiny()
+    gen = torch.Generator().manual_seed(STEER_SEED)
+    v = torch.randn(model.config.hidden_size, generator=gen)
+    pairs = PROMPT_PAIRS[:n_prompts]
+    return Ctx(
+        prompts=[c for c, _ in pairs],
+        corrupt=[x for _, x in pairs],
+        vec=STEER_SCALE * v / v.norm(),
+        w_norm=model.model.norm.weight.detach().float().clone(),
+        w_lm=model.lm_head.weight.detach().float().clone(),
+        eps=float(model.config.rms_norm_eps),
+        layers=model.config.num_hidden_layers,
+        new_tokens=NEW_TOKENS,
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    args.load = "?"
+    if load is not None:
+        note = " (other work was running: expect noisier times)" if load[0] > 0.5 else ""
+        args.load = ", ".join(f"{x:.2f}" for x in load) + note
+    t_all = perf()
+    info = machine_info()
+    ctx = make_ctx(args.prompts)
+    configs = [
+        Config("PP=1", {}, None, 1),
+        Config("PP=2", {"pipeline_parallel_size": 2}, "PP=1", 2),
+    ]
+    if args.tp:
+        configs += [
+            Config("TP=2", {"tensor_parallel_size": 2}, "PP=1", 2),
+            Config("TP=2 x PP=2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "TP=2", 4),
+        ]
+    done, secs = {}, {}
+    for cfg in configs:
+        print(f"{cfg.name}: starting the engine", flush=True)
+        t0 = perf()
+        done[cfg.name] = run_config(cfg, ctx, args.repeats)
+        secs[cfg.name] = perf() - t0
+        print(
+            f"{cfg.name}: done in {secs[cfg.name]:.0f} s (engine start {done[cfg.name]['startup']:.0f} s, "
+            f"close {done[cfg.name]['close']:.0f} s)",
+            flush=True,
+        )
+    main_table, effects, fails = report(configs, done)
+    secs = {"total": perf() - t_all, **{f"{k} engine": v for k, v in secs.items()}}
+    text = render(main_table, effects, fails, info, secs, ctx, args)
+    print(text)
+    for f in fails:
+        print(f"FAIL: {f}", file=sys.stderr)
+    if args.write:
+        bench_common.write_section(SECTION, text, DOC)
+        print(f"wrote the section to {DOC.relative_to(ROOT)}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
