@@ -83,7 +83,7 @@ class StageSession(Resolver):
             if id(block) in seen:
                 continue
             seen.add(id(block))
-            req, tag = self.req_of(block), tag_of(block.req_step, n)
+            req, tag = self.req_of(block), tag_of(max(block.req_step, 0), n)
             try:
                 if request_level:
                     rows = batching.narrow(value, block.req_rows, kernel.req_batch)

@@ -1,0 +1,118 @@
+"""Pipeline parallel, harness tier: two spawned gloo ranks, each a stage with its own interleaver,
+stage session and pull service, running the same block; no vLLM. "The model reached this location"
+is a direct ``visit_output`` call on the stage that owns it. Checks lazy remote values, pulls in
+place and at serve points, the publish hook, errors delivered into the block, merged results, and
+that unused remote reads move no bytes. Hard timeouts kill hung ranks (see test_pp_transport)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import torch
+from test_pp_transport import _run
+
+import asyncpp
+from asyncpp.kernel.interleaver import Interleaver
+from asyncpp.locations.tree import tree_from_paths
+from asyncpp.pp.merge import merge
+from asyncpp.pp.ownership import LOCAL, Ownership
+from asyncpp.pp.stage import StageSession
+
+ENTRIES = [("", "Model"), ("a", "Linear"), ("b", "Linear")]  # a: stage 0, b: stage 1
+A, B = torch.arange(6.0).reshape(2, 3), torch.full((2, 3), 7.0)
+
+
+def _stage(svc: Any, rank: int) -> tuple[Interleaver, StageSession, Any]:
+    own = Ownership(ENTRIES, [LOCAL, 0, 1], 2)
+    kernel = Interleaver(own.paths, 2)
+    session = StageSession(kernel, own, rank, svc, lambda block: 5)
+    return kernel, session, tree_from_paths(ENTRIES)
+
+
+async def uses_both(m):
+    a = await m.a.output  # stage 1: a remote value (stage 0 owns a), no traffic yet
+    b = await m.b.output  # stage 0: a remote value, downstream
+    b2 = await asyncpp.pull(b * 2)  # stage 0 waits for stage 1 at a serve point
+    return {"a": a + 1, "b2": b2}
+
+
+async def reads_only(m):
+    await m.a.output
+    await m.b.output
+    return "done"
+
+
+async def catches(m):
+    b = await m.b.output
+    try:
+        return float(await asyncpp.pull(b.sum()))
+    except asyncpp.PullError as err:
+        return f"caught: {err}"
+
+
+def _scenario(block: Any, fail_b: bool = False) -> Any:
+    return functools.partial(_stage_run, block, fail_b)
+
+
+def _stage_run(block: Any, fail_b: bool, svc: Any, rank: int, world: int) -> dict[str, Any]:
+    if True:
+        kernel, session, m = _stage(svc, rank)
+        with kernel.active():
+            blk = kernel.start(block(m), 0, None)
+            if rank == 0:
+                kernel.visit_output(1, A.clone())  # the model reaches a
+            elif fail_b:  # the model never reaches b here; the owner fails its pulls instead
+                svc.fail(5, 2 * 4 + 2, 0, "stage 1 could not produce b")
+            else:
+                kernel.visit_output(2, B.clone())  # the model reaches b
+            parked = len(session.parked)
+            session.serve()  # the serve point after the forward
+            kernel.finish_blocks([blk])
+            result = session.result(blk.result) if blk.error is None else repr(blk.error)
+        svc.release(5)
+        end = time.monotonic() + 10  # the buffer goes when the peer's release arrives
+        while any(svc.held().values()) and time.monotonic() < end:
+            time.sleep(0.01)
+        # plain data only through the queue (tensors would travel as shared memory the exiting
+        # child takes with it)
+        return {"result": _plain(result), "parked": parked, "stats": dict(svc.stats), "held": svc.held()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.tolist())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    assert value[0] == "tensor", value
+    return torch.tensor(value[1])
+
+
+def test_lazy_values_pulls_and_serve_points(tmp_path):
+    r0, r1 = _run(_scenario(uses_both), 2, tmp_path)
+    assert r0["parked"] == 1 and r1["parked"] == 0  # only the upstream stage waited
+    merged = merge([r0["result"], r1["result"]])
+    assert torch.equal(_tensor(merged["a"]), A + 1) and torch.equal(_tensor(merged["b2"]), B * 2)
+    # stage 0 pulled b, stage 1 pulled a (computing a + 1, which only it can return)
+    assert r0["stats"]["pulls"] == 1 and r1["stats"]["pulls"] == 1
+    assert r0["result"]["a"] == r1["result"]["a"]  # computed on both: the same real value
+    for r in (r0, r1):
+        assert all(v == 0 for v in r["held"].values()), r["held"]  # released: nothing kept
+
+
+def test_unused_remote_reads_move_no_bytes(tmp_path):
+    r0, r1 = _run(_scenario(reads_only), 2, tmp_path)
+    assert r0["result"] == r1["result"] == "done"
+    for r in (r0, r1):
+        assert r["stats"]["pulls"] == 0 and r["stats"]["bytes_in"] == 0 and r["stats"]["bytes_out"] == 0
+
+
+def test_a_failed_pull_is_raised_at_the_line_that_forced_it(tmp_path):
+    r0, r1 = _run(_scenario(catches, fail_b=True), 2, tmp_path)
+    assert r0["result"].startswith("caught:") and "could not produce b" in r0["result"]
+    assert "NeverReachedError" in r1["result"]  # the owner's own wait for b ends at the run's end
