@@ -41,12 +41,14 @@ from typing import Any
 
 import torch
 
+from ..kernel.errors import AsyncppError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["PullError", "PullTimeout", "PullService"]
 
 
-class PullError(RuntimeError):
+class PullError(AsyncppError, RuntimeError):
     """A pull that failed; the message names the location and the owner stage."""
 
 
