@@ -244,3 +244,17 @@ def test_requests_leave_no_state_on_any_stage(two_stages):
             )
         }
         assert all(v == 0 for v in held.values()), held
+
+
+async def pull_downstream_every_step(m):
+    tops = []
+    async for _ in m.steps():
+        logits = await m.logits  # stage 0: a remote value, downstream
+        top = await asyncpp.pull(logits.argmax(-1))  # stage 0 resumes at the next serve point
+        tops.append(int(top[0]))
+    return tops
+
+
+def test_generation_awaiting_a_downstream_value_every_step(two_stages):
+    h = run(two_stages, pull_downstream_every_step, max_new_tokens=12)
+    assert h.result == h.tokens[0].tolist()
