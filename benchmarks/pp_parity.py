@@ -30,7 +30,9 @@ logits (attribution: of the recorded changes), the **bytes pulled across stages*
 workload (the sum over ranks of the change of ``engine.worker_stats()[r]["pull_bytes"]``), and the
 **wall time ratio** to the reference (the median of ``--repeats`` timed runs each, after one
 untimed warm-up run whose results are the ones compared). Targets: top-1 agreement 1.00 and total
-variation 0.000 at float32.
+variation 0.000 at float32. Two baselines run the same way, blocks that only return the logits (of
+the prompt, and of every step of an 8-token generation): their time ratio is what the pipeline split
+itself costs here, without any cross-stage work of asyncpp's.
 
 The script also checks, on every engine, that each intervention did something, so that a no-op
 cannot pass: steering, ablation, patching and generation steering must change every cell's logits
@@ -54,6 +56,7 @@ import datetime
 import os
 import platform
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,16 +94,6 @@ TV_TARGET = 0.0005  # "0.000" at 3 decimals
 EFFECT_MIN = 1e-3  # an intervention must move some logit of every cell by more than this
 LENS_TV_MAX = 1e-4  # the last layer's lens against the model's own logits
 
-HASH_SEED_NOTE = (
-    "The script sets `PYTHONHASHSEED=0` for the engines' processes (unless it is set already, or "
-    "`--no-hash-seed`): without it, a trace with several invokes on a PP engine deadlocks when "
-    "its requests finish in the same engine step. Each worker finishes them in the iteration order "
-    "of vLLM's `finished_req_ids`, a `set` of strings whose order depends on each process's own "
-    "hash seed, and `drain(req)` blocks until every stage has drained that request: stage 0 waits "
-    "in the drain of one request while stage 1 waits in the drain of another, until the 60 s "
-    "deadline fails both (`PullTimeout: drain of request N on stage 0 timed out`). A known "
-    "asyncpp bug, left in place here; a shared hash seed gives every stage the same order."
-)
 
 perf = time.perf_counter
 
@@ -189,13 +182,14 @@ def run(engine: Any, invokes: list[tuple], **kw: Any) -> list[Any]:
 
 
 def w_plain(engine: Any, ctx: Ctx) -> Out:
-    hs = run(engine, [(p, final_logits) for p in ctx.prompts + ctx.corrupt])
-    n = len(ctx.prompts)
-    return Out(
-        [h.result for h in hs[:n]],
-        [f"p{i}" for i in range(n)],
-        extra={"corrupt": [h.result for h in hs[n:]]},
-    )
+    hs = run(engine, [(p, final_logits) for p in ctx.prompts])
+    return Out([h.result for h in hs], [f"p{i}" for i in range(len(hs))])
+
+
+def w_plain_corrupt(engine: Any, ctx: Ctx) -> Out:
+    """The corrupted prompts without intervention: what activation patching must change."""
+    hs = run(engine, [(c, final_logits) for c in ctx.corrupt])
+    return Out([h.result for h in hs], [f"p{i}" for i in range(len(hs))])
 
 
 def w_plain_gen(engine: Any, ctx: Ctx) -> Out:
@@ -270,6 +264,8 @@ def w_attrib(engine: Any, ctx: Ctx) -> Out:
 
 
 WORKLOADS = {
+    "baseline: final logits": w_plain,
+    "baseline: generation": w_plain_gen,
     "logit lens": w_lens,
     "steering": w_steer,
     "ablation": w_ablate,
@@ -278,6 +274,8 @@ WORKLOADS = {
     "attribution": w_attrib,
 }
 CELLS = {
+    "baseline: final logits": "prompts",
+    "baseline: generation": "steps x prompts",
     "logit lens": "layers x prompts",
     "steering": "prompts",
     "ablation": "prompts",
@@ -357,11 +355,13 @@ def compare(ref: Out, got: Out) -> Compared:
     )
 
 
-def effect_checks(
-    name: str, res: dict[str, Measured], plain: Out, plain_gen: Out
-) -> tuple[dict[str, str], list[str]]:
+def effect_checks(name: str, res: dict[str, Measured], corrupt: Out) -> tuple[dict[str, str], list[str]]:
     """What each intervention did against a run without it, on this engine; and the failures."""
     notes, fails = {}, []
+    plain, plain_gen = res["baseline: final logits"].out, res["baseline: generation"].out
+    notes["baseline: final logits"] = notes["baseline: generation"] = (
+        "no intervention (a block that only returns the logits): the reference of the checks"
+    )
 
     def changed(
         workload: str, cells: list[torch.Tensor], base: list[torch.Tensor], labels: list[str]
@@ -381,7 +381,7 @@ def effect_checks(
 
     changed("steering", res["steering"].out.cells, plain.cells, plain.labels)
     changed("ablation", res["ablation"].out.cells, plain.cells, plain.labels)
-    changed("activation patching", res["activation patching"].out.cells, plain.extra["corrupt"], plain.labels)
+    changed("activation patching", res["activation patching"].out.cells, corrupt.cells, corrupt.labels)
     gen = res["generation steering"].out
     changed("generation steering", gen.cells[: len(plain_gen.cells)], plain_gen.cells, plain_gen.labels)
     if len(gen.cells) != len(plain_gen.cells):
@@ -394,7 +394,7 @@ def effect_checks(
     at = res["attribution"].out
     n = len(plain.cells)
     changed("attribution", at.cells, plain.cells * (len(at.cells) // n), at.labels)
-    notes["attribution"] += f"; largest |top-1 logit change| {max(abs(v) for v in at.values or [0]):.3g}"
+    notes["attribution"] += f"; largest top-1 logit change (abs) {max(abs(v) for v in at.values or [0]):.3g}"
     lens = res["logit lens"].out
     layers = len(lens.cells) // n
     lens_tv = []
@@ -433,8 +433,7 @@ def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
             raise SystemExit(
                 f"FAIL: {cfg.name}: {len(engine.worker_stats())} workers, expected {cfg.workers}"
             )
-        plain = w_plain(engine, ctx)
-        plain_gen = w_plain_gen(engine, ctx)
+        corrupt = w_plain_corrupt(engine, ctx)
         res = {}
         for name, fn in WORKLOADS.items():
             res[name] = measure(engine, fn, ctx, repeats)
@@ -455,10 +454,10 @@ def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
         t1 = perf()
         engine.close()
         closing = perf() - t1
-    notes, fails = effect_checks(cfg.name, res, plain, plain_gen)
+    notes, fails = effect_checks(cfg.name, res, corrupt)
     if any(leftover):
         fails.append(f"{cfg.name}: state left on the workers after the run: {leftover}")
-    return {"res": res, "notes": notes, "fails": fails, "startup": startup, "close": closing, "plain": plain}
+    return {"res": res, "notes": notes, "fails": fails, "startup": startup, "close": closing}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -512,7 +511,7 @@ def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str,
         "max TV (raw)",
         "max abs logit diff",
         "bytes pulled per run",
-        "wall time ratio (median ms)",
+        "wall time ratio: medians (ms); fastest runs",
         "target",
         "verdict",
     ]
@@ -544,7 +543,8 @@ def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str,
                     f"{c.max_tv:.2e}",
                     diff,
                     pulled_text(got, cfg.options.get("pipeline_parallel_size", 1) > 1),
-                    f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f})",
+                    f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f} ms); "
+                    f"fastest runs {min(got.times) / min(ref.times):.2f}x",
                     "top-1 1.00, TV 0.000",
                     "pass" if ok else "**FAIL**",
                 ]
@@ -558,7 +558,22 @@ def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str,
     effects = bench_common.md_table(
         ["config", "workload", "what the intervention did on this engine"], checks
     )
-    return main, effects, fails
+    spread = []
+    for name in WORKLOADS:
+        for cfg in configs:
+            ts = sorted(t * 1000 for t in done[cfg.name]["res"][name].times)
+            spread.append(
+                [name, cfg.name, f"{ts[0]:.0f}", f"{median(ts):.0f}", f"{ts[-1]:.0f}", str(len(ts))]
+            )
+    times = bench_common.md_table(["workload", "config", "min ms", "median ms", "max ms", "runs"], spread)
+    return (
+        main,
+        effects
+        + "\n\n<details><summary>Wall time of every timed run</summary>\n\n"
+        + times
+        + "\n\n</details>",
+        fails,
+    )
 
 
 def render(
@@ -575,48 +590,61 @@ def render(
     took = ", ".join(f"{k} {v:.0f} s" for k, v in secs.items())
     prompts = ", ".join(f"`{p!r}`" for p in ctx.prompts)
     tp = (
-        " With `--tp`, also TP=2 (one stage, two tensor-parallel ranks) against PP=1, and TP=2 x PP=2\n"
+        " With `--tp`, also TP=2 (one stage, two tensor-parallel ranks) against PP=1, and TP=2 x PP=2 "
         "(four workers) against TP=2."
         if args.tp
         else " (`--tp` adds TP=2 against PP=1 and TP=2 x PP=2 against TP=2.)"
     )
+    runs = f"{args.repeats} timed run{'s' if args.repeats != 1 else ''}"
+    what = (
+        "Whether interpretability workloads give the same numbers when the engine is split into "
+        'pipeline stages. Every configuration is an `asyncpp.VllmEngine(dtype="float32")` on the '
+        "embedded tiny 4-layer Llama (random weights), one engine at a time: PP=2 (layers 0-1 / 2-3) "
+        f"against PP=1.{tp} The same blocks run on the same {len(ctx.prompts)} prompts ({prompts}), "
+        "greedy. Workloads: the logit lens (each layer's last-token residual through the final norm "
+        "and the unembedding, computed inside the block from the weights passed as arguments), "
+        f"steering (a seed-{STEER_SEED} random unit vector times {STEER_SCALE:g} added to layer "
+        f"{STEER_LAYER}'s residual at the last token), ablation (layer {ABLATE_LAYER}'s MLP output "
+        f"zeroed), activation patching (layer {PATCH_LAYER}'s last-token residual of a clean run "
+        "written into a corrupted prompt's run: two traces), generation steering "
+        f"({ctx.new_tokens} tokens, the vector added every step; the logits of every step, and the "
+        "tokens) and attribution (each layer's MLP ablated in turn; the change of the clean top-1 "
+        "logit is compared too)."
+    )
+    how = (
+        "A cell is one next-token distribution: top-1 agreement is the fraction of cells whose "
+        "argmax equals the reference's; TV is the largest total variation distance "
+        "`0.5 * sum |softmax(a) - softmax(b)|` (float64) over the cells. Bytes pulled: the sum over "
+        'ranks of `worker_stats()["pull_bytes"]` grown by one run of the workload (all its invokes '
+        "run concurrently in one trace). Reading, steering and ablating pull nothing; the pulls come "
+        "from results: a returned value computed from an upstream stage's location (the lens of "
+        "layers 0-1, the clean residual of the patching run) is also computed by the downstream "
+        "stage, which pulls the whole layer output `(mlp_out, residual)`, every token, for it. The "
+        f"wall time ratio divides the medians of {runs} each, after an untimed warm-up run whose "
+        "cells are the ones compared. The two baseline rows run blocks that only return the logits "
+        "(of the prompt; of every generation step): their ratio is what the pipeline split itself "
+        "costs on this machine, without cross-stage work of asyncpp's. The ratio of the fastest "
+        "runs is given too: with other work on the 2 cores the medians swing (every run's time is "
+        "in the details). On every engine the script also checks that each intervention "
+        f"changed every cell's logits against a run without it (by more than {EFFECT_MIN:g} in some "
+        "logit), and that the last layer's lens reproduces the model's own logits; the second table "
+        "says what each did."
+    )
     status = "All checks passed." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails)
-    return f"""{SECTION}
+    paras = [
+        SECTION,
+        wrap(what),
+        wrap(how),
+        f"Command: `{bench_common.command_line(__file__)}` ({date}; {took})",
+    ]
+    paras += [f"{machine}\n- load average before the run: {args.load}", main, effects]
 
-Whether interpretability workloads give the same numbers when the engine is split into pipeline
-stages. Every configuration is an `asyncpp.VllmEngine(dtype="float32")` on the embedded tiny
-4-layer Llama (random weights), one engine at a time: PP=2 (layers 0-1 / 2-3) against PP=1.{tp}
-The same blocks run on the same {len(ctx.prompts)} prompts ({prompts}), greedy. Workloads: the logit
-lens (each layer's last-token residual through the final norm and the unembedding, inside the
-block, with the weights passed as arguments), steering (a seed-0 random unit vector times
-{STEER_SCALE:g} added to layer {STEER_LAYER}'s residual at the last token), ablation (layer
-{ABLATE_LAYER}'s MLP output zeroed), activation patching (layer {PATCH_LAYER}'s last-token residual of a
-clean run written into a corrupted prompt's run: two traces), generation steering ({ctx.new_tokens}
-tokens, the vector added every step; the logits of every step, and the tokens) and attribution
-(each layer's MLP ablated in turn; the change of the clean top-1 logit is compared too). A cell is
-one next-token distribution: top-1 agreement is the fraction of cells whose argmax equals the
-reference's; TV is the largest total variation distance `0.5 * sum |softmax(a) - softmax(b)|`
-(float64) over the cells. Bytes pulled: the sum over ranks of `worker_stats()["pull_bytes"]`
-grown by one run of the workload (all its invokes run concurrently in one trace). The wall time
-ratio divides the medians of {args.repeats} timed runs each (after an untimed warm-up run, whose
-cells are the ones compared). On every engine the script also checks that each intervention
-changed every cell's logits against a run without it (by more than {EFFECT_MIN:g} in some logit),
-and that the last layer's lens reproduces the model's own logits; the second table says what each
-did.
+    paras.append(status)
+    return "\n\n".join(paras) + "\n"
 
-Command: `{bench_common.command_line(__file__)}` ({date}; {took})
 
-{machine}
-- load average before the run: {args.load}
-
-{main}
-
-{effects}
-
-{args.hash_note}
-
-{status}
-"""
+def wrap(text: str) -> str:
+    return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -625,7 +653,7 @@ Command: `{bench_common.command_line(__file__)}` ({date}; {took})
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", action="store_true", help="also TP=2 and TP=2 x PP=2 (four workers: slow)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per workload (default 3)")
+    ap.add_argument("--repeats", type=int, default=9, help="timed runs per workload (default 9)")
     ap.add_argument(
         "--prompts", type=int, default=len(PROMPT_PAIRS), help=f"prompts (at most {len(PROMPT_PAIRS)})"
     )
@@ -633,13 +661,6 @@ def parse_args() -> argparse.Namespace:
         "--quick", action="store_true", help=f"{QUICK_PROMPTS} prompts, 1 timed run: to try the script"
     )
     ap.add_argument("--write", action="store_true", help="update the section in docs/performance.md")
-    ap.add_argument(
-        "--no-hash-seed",
-        dest="hash_seed",
-        action="store_false",
-        help="do not set PYTHONHASHSEED for the engines' processes (several invokes of one trace on a "
-        "PP engine then deadlock in the stages' drain, see HASH_SEED_NOTE)",
-    )
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.repeats = QUICK_PROMPTS, 1
@@ -674,10 +695,7 @@ def main() -> int:
     if load is not None:
         note = " (other work was running: expect noisier times)" if load[0] > 0.5 else ""
         args.load = ", ".join(f"{x:.2f}" for x in load) + note
-    args.hash_note = ""
-    if args.hash_seed and "PYTHONHASHSEED" not in os.environ:
-        os.environ["PYTHONHASHSEED"] = "0"  # inherited by vLLM's processes, see HASH_SEED_NOTE
-        args.hash_note = HASH_SEED_NOTE
+
     t_all = perf()
     info = machine_info()
     ctx = make_ctx(args.prompts)
