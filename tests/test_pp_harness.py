@@ -63,6 +63,8 @@ def _stage_run(block: Any, fail_b: bool, svc: Any, rank: int, world: int) -> dic
             blk = kernel.start(block(m), 0, None)
             if rank == 0:
                 kernel.visit_output(1, A.clone())  # the model reaches a
+            elif fail_b == "release":  # the model never reaches b; the request just ends here
+                pass
             elif fail_b:  # the model never reaches b here; the owner fails its pulls instead
                 svc.fail(5, 2 * 4 + 2, 0, "stage 1 could not produce b")
             else:
@@ -71,13 +73,20 @@ def _stage_run(block: Any, fail_b: bool, svc: Any, rank: int, world: int) -> dic
             session.serve()  # the serve point after the forward
             kernel.finish_blocks([blk])
             result = session.result(blk.result) if blk.error is None else repr(blk.error)
+        took = time.monotonic()
         svc.release(5)
         end = time.monotonic() + 10  # the buffer goes when the peer's release arrives
         while any(svc.held().values()) and time.monotonic() < end:
             time.sleep(0.01)
         # plain data only through the queue (tensors would travel as shared memory the exiting
         # child takes with it)
-        return {"result": _plain(result), "parked": parked, "stats": dict(svc.stats), "held": svc.held()}
+        return {
+            "result": _plain(result),
+            "parked": parked,
+            "stats": dict(svc.stats),
+            "held": svc.held(),
+            "released_at": took,
+        }
 
 
 def _plain(value: Any) -> Any:
@@ -116,3 +125,11 @@ def test_a_failed_pull_is_raised_at_the_line_that_forced_it(tmp_path):
     r0, r1 = _run(_scenario(catches, fail_b=True), 2, tmp_path)
     assert r0["result"].startswith("caught:") and "could not produce b" in r0["result"]
     assert "NeverReachedError" in r1["result"]  # the owner's own wait for b ends at the run's end
+
+
+def test_a_pull_waiting_for_a_value_its_owner_will_never_produce_fails_at_release(tmp_path):
+    """The owner's request ends without reaching b: the waiting pull is answered at once, not at
+    the deadline (20 s here)."""
+    r0, r1 = _run(_scenario(catches, fail_b="release"), 2, tmp_path)
+    assert r0["result"].startswith("caught:") and "ended on stage 1" in r0["result"], r0["result"]
+    assert r0["released_at"] - r1["released_at"] < 10

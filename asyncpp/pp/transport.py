@@ -483,10 +483,18 @@ class PullService:
             done = len(self._drains.get(req, ())) == self.world - 1 or not usable
             if done:
                 self._drains.pop(req, None)
+                waiting = {}
             else:
                 self._released[req] = None
+                # this stage produces nothing more for the request: pulls waiting here for a
+                # value it never published are answered now (its buffered values stay servable)
+                waiting = self._waiters.pop(req, {})
         if done:
             self.clear(req)
+        for (key, tag), who in waiting.items():
+            entry = _error_entry(self._ended_message(req, key, tag))
+            for requester, ticket in who:
+                self._reply(requester, ticket, req, key, tag, entry)
 
     def clear(self, req: int) -> None:
         """Drop every buffered value of ``req`` on this rank; pulls still waiting here for one of its
@@ -777,7 +785,7 @@ class PullService:
                 if self._closed:
                     return  # our goodbye is on its way: the requester fails the pull on it
                 todo = self._values.get(req, {}).get((key, tag))
-                if todo is None and req in self._ended:
+                if todo is None and (req in self._ended or req in self._released):
                     todo = _error_entry(self._ended_message(req, key, tag))
                 if todo is None:
                     self._waiters.setdefault(req, {}).setdefault((key, tag), []).append((src, ticket))
