@@ -68,10 +68,10 @@ def run(engine, block, prompt=PROMPT, *args, **kw):
 
 async def read_logits_and_hidden(m):
     early = await m.model.layers[0].output  # stage 0 of 2
-    late = await m.model.layers[3].output  # stage 1 of 2
+    late_mlp, late_residual = await m.model.layers[3].output  # stage 1 of 2; unpacked lazily on 0
     return {
         "early": (early[0] + early[1]).clone(),
-        "late": (late[0] + late[1]).clone(),
+        "late": (late_mlp + late_residual).clone(),
         "logits": (await m.logits).clone(),
     }
 

@@ -143,3 +143,14 @@ def test_results_keep_what_this_stage_holds(store):
     assert got["up"] is NOT_HERE  # its owner returns it
     assert torch.equal(got["scaled"], store.values["layers.0.output"] * 2)  # computed here
     assert got["down"] is NOT_HERE and got["mixed"] is NOT_HERE and got["n"] == 3
+
+
+def test_unpacking_a_remote_value_stays_lazy(store):
+    down = RemoteValue(2, 7, 9, 0, 0, "layers.3.output")  # downstream: cannot be pulled here
+    mlp_out, residual = down  # how vLLM layer outputs are usually taken apart
+    assert isinstance(mlp_out, Lazy) and isinstance(residual, Lazy) and store.pulls == []
+    with pytest.raises(RemoteValueError, match="await"):
+        list(down)  # any other iteration needs the data
+    up = RemoteValue(0, 7, 9, 0, 0, "layers.0.output")
+    first, second, third = up
+    assert torch.equal(third.force(), store.values["layers.0.output"][2])

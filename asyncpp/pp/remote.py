@@ -19,7 +19,9 @@ and the engine takes the owner's real value when it merges the stages' results.
 
 from __future__ import annotations
 
+import dis
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -136,6 +138,9 @@ class LazyValue:
         return len(self.force())
 
     def __iter__(self):
+        n = _unpacking(sys._getframe(1))
+        if n is not None:  # `a, b = value`: its elements, lazily (the line says how many)
+            return iter([self[i] for i in range(n)])
         return iter(self.force())
 
     def __array__(self, *args: Any) -> Any:
@@ -267,6 +272,18 @@ class Lazy(LazyValue):
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", repr(self.fn))
         return f"<lazy {name}(...) of {self.describe()}>"
+
+
+_UNPACK_SEQUENCE = dis.opmap["UNPACK_SEQUENCE"]
+
+
+def _unpacking(frame: Any) -> int | None:
+    """The element count when ``frame`` is unpacking a value into names (``a, b = value``), read
+    from the instruction it is running; None for any other use (a loop, ``list(value)``)."""
+    code, i = frame.f_code.co_code, frame.f_lasti
+    if 0 <= i < len(code) - 1 and code[i] == _UNPACK_SEQUENCE:
+        return code[i + 1]
+    return None
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
