@@ -139,10 +139,14 @@ def test_results_keep_what_this_stage_holds(store):
     down = RemoteValue(2, 7, 9, 0, 0, "layers.3.output")
     session = object.__new__(StageSession)  # only its result() is exercised: no kernel needed
     session._stage = 1
-    got = session.result({"up": up, "scaled": up * 2, "down": down, "mixed": up + down, "n": 3})
-    assert got["up"] is NOT_HERE  # its owner returns it
-    assert torch.equal(got["scaled"], store.values["layers.0.output"] * 2)  # computed here
+    local = torch.ones(3, 4)  # a value this stage holds
+    got = session.result(
+        {"up": up, "scaled": up * 2, "with_local": up + local, "down": down, "mixed": up + down, "n": 3}
+    )
+    assert got["up"] is NOT_HERE and got["scaled"] is NOT_HERE  # the owner of `up` returns them
+    assert torch.equal(got["with_local"], store.values["layers.0.output"] + 1)  # only here: computed
     assert got["down"] is NOT_HERE and got["mixed"] is NOT_HERE and got["n"] == 3
+    assert store.pulls == ["layers.0.output"]
 
 
 def test_unpacking_a_remote_value_stays_lazy(store):

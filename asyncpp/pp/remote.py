@@ -251,7 +251,7 @@ class RemoteValue(LazyValue):
 class Lazy(LazyValue):
     """An operation on lazy values, run when the result is forced."""
 
-    __slots__ = ("fn", "args", "kwargs", "_leaves")
+    __slots__ = ("fn", "args", "kwargs", "_leaves", "has_real")
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self._value = _UNSET
@@ -259,9 +259,11 @@ class Lazy(LazyValue):
         self.args = args
         self.kwargs = kwargs
         found: dict[int, RemoteValue] = {}
-        _collect(args, found)
-        _collect(kwargs, found)
+        real = [False]
+        _collect(args, found, real)
+        _collect(kwargs, found, real)
         self._leaves = list(found.values())
+        self.has_real = real[0]  # a real tensor takes part (a local value, or a constant)
 
     def leaves(self) -> list[RemoteValue]:
         return self._leaves
@@ -330,16 +332,21 @@ class Pull:
         return (yield self)
 
 
-def _collect(obj: Any, found: dict[int, RemoteValue]) -> None:
+def _collect(obj: Any, found: dict[int, RemoteValue], real: list[bool] | None = None) -> None:
     if isinstance(obj, LazyValue):
         for leaf in obj.leaves():
             found[id(leaf)] = leaf
+        if real is not None and isinstance(obj, Lazy) and obj.has_real:
+            real[0] = True
+    elif isinstance(obj, torch.Tensor):
+        if real is not None:
+            real[0] = True
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            _collect(o, found)
+            _collect(o, found, real)
     elif isinstance(obj, dict):
         for o in obj.values():
-            _collect(o, found)
+            _collect(o, found, real)
 
 
 def _forced(obj: Any) -> Any:

@@ -153,14 +153,21 @@ class StageSession(Resolver):
 
     def result(self, obj: Any) -> Any:
         """A block's result as this stage returns it: remote values it does not hold become "not on
-        this rank" (their owner returns them); lazy values computed only from upstream values are
-        computed here (pulling them); values computed from a downstream value are left to it."""
+        this rank" (their owner returns them), and so do values computed from one other stage's
+        values alone (that stage computes them from its real ones); values that also involve a real
+        tensor here and only upstream values are computed here (pulling them); values computed from
+        a downstream value are left to the stages downstream."""
         from .merge import NOT_HERE
 
         if isinstance(obj, LazyValue):
             if obj._value is not _UNSET:
                 return obj._value
-            if isinstance(obj, Lazy) and all(leaf.owner < self._stage for leaf in obj.leaves()):
+            if not isinstance(obj, Lazy):
+                return NOT_HERE
+            leaves = obj.leaves()
+            if not obj.has_real and len({leaf.owner for leaf in leaves}) == 1:
+                return NOT_HERE
+            if all(leaf.owner < self._stage for leaf in leaves):
                 return obj.force()
             return NOT_HERE
         t = type(obj)
