@@ -422,6 +422,18 @@ class Config:
     workers: int
 
 
+def held_state(engine: Any, patience_s: float = 10.0) -> list[dict[str, int]]:
+    """Per-request state the workers still hold. A stage frees a request's pull buffers once every
+    stage has released it (a message on its way), so give that a moment before calling it a leak."""
+    keys = ("requests", "blocks", "waits", "parked_pulls", "buffered", "waiting", "drains")
+    end = perf() + patience_s
+    while True:
+        left = [{k: v for k, v in s.items() if k in keys and v} for s in engine.worker_stats()]
+        if not any(left) or perf() > end:
+            return left
+        time.sleep(0.05)
+
+
 def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
     import asyncpp
 
@@ -442,14 +454,7 @@ def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
                 f"{res[name].pulled[-1]} bytes pulled per run",
                 flush=True,
             )
-        leftover = [
-            {
-                k: v
-                for k, v in s.items()
-                if k in ("requests", "blocks", "waits", "parked_pulls", "buffered") and v
-            }
-            for s in engine.worker_stats()
-        ]
+        leftover = held_state(engine)
     finally:
         t1 = perf()
         engine.close()
@@ -616,10 +621,11 @@ def render(
         "argmax equals the reference's; TV is the largest total variation distance "
         "`0.5 * sum |softmax(a) - softmax(b)|` (float64) over the cells. Bytes pulled: the sum over "
         'ranks of `worker_stats()["pull_bytes"]` grown by one run of the workload (all its invokes '
-        "run concurrently in one trace). Reading, steering and ablating pull nothing; the pulls come "
-        "from results: a returned value computed from an upstream stage's location (the lens of "
-        "layers 0-1, the clean residual of the patching run) is also computed by the downstream "
-        "stage, which pulls the whole layer output `(mlp_out, residual)`, every token, for it. The "
+        "run concurrently in one trace). Reading, steering, ablating and patching pull nothing (a "
+        "returned value computed from one stage's values alone is returned by that stage); the lens "
+        "pulls: its value mixes an upstream layer's output with tensors the block holds (the norm "
+        "and unembedding weights), so the downstream stage computes it too, pulling the whole layer "
+        "output `(mlp_out, residual)`, every token. The "
         f"wall time ratio divides the medians of {runs} each, after an untimed warm-up run whose "
         "cells are the ones compared. The two baseline rows run blocks that only return the logits "
         "(of the prompt; of every generation step): their ratio is what the pipeline split itself "
