@@ -92,28 +92,51 @@ bool same_complex(const Fingerprint& a, const Fingerprint& b) {
 }
 
 // The simple part of the state, captured and applied field by field (tens of nanoseconds).
+// Parts of the simple state, as a mask: a switch copies and sets only the parts that differ (each
+// part set is a call into torch, and after a forward every such call is a few cache misses).
+enum : unsigned { kKeys = 1, kGrad = 2, kCache = 4, kDtypes = 8, kNesting = 16, kAll = 31 };
+
+// The simple parts in which two fingerprints differ (see fingerprint() for the words' layout).
+unsigned simple_diff(const Fingerprint& a, const Fingerprint& b) {
+  unsigned m = 0;
+  if (a[0] != b[0] || a[1] != b[1]) m |= kKeys;
+  const uint64_t g = a[2] ^ b[2];
+  if (g & 0x1f) m |= kGrad;
+  if (g & 0x20) m |= kCache;
+  const uint64_t d = a[3] ^ b[3];
+  if (d & 0xffffffffull) m |= kDtypes;
+  if (d >> 32) m |= kNesting;
+  return m;
+}
+
 struct Simple {
   c10::impl::LocalDispatchKeySet keys;
   c10::AutogradState autograd;
-  at::ScalarType cpu_dtype, cuda_dtype;
-  bool cache;
-  int nesting;
+  at::ScalarType cpu_dtype = at::kFloat, cuda_dtype = at::kFloat;
+  bool cache = true;
+  int nesting = 0;
 
-  Simple()
-      : keys(c10::impl::tls_local_dispatch_key_set()),
-        autograd(c10::AutogradState::get_tls_state()),
-        cpu_dtype(at::autocast::get_autocast_dtype(at::kCPU)),
-        cuda_dtype(at::autocast::get_autocast_dtype(at::kCUDA)),
-        cache(at::autocast::is_autocast_cache_enabled()),
-        nesting(autocast_nesting()) {}
+  // a copy of the thread's simple state: the parts in ``mask`` (keys and autograd state are plain
+  // thread-local reads and always copied)
+  explicit Simple(unsigned mask = kAll)
+      : keys(c10::impl::tls_local_dispatch_key_set()), autograd(c10::AutogradState::get_tls_state()) {
+    if (mask & kDtypes) {
+      cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+      cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    }
+    if (mask & kCache) cache = at::autocast::is_autocast_cache_enabled();
+    if (mask & kNesting) nesting = autocast_nesting();
+  }
 
-  void apply() const {
-    c10::impl::_force_tls_local_dispatch_key_set(keys);
-    c10::AutogradState::set_tls_state(autograd);
-    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
-    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
-    at::autocast::set_autocast_cache_enabled(cache);
-    set_autocast_nesting(nesting);
+  void apply(unsigned mask = kAll) const {
+    if (mask & kKeys) c10::impl::_force_tls_local_dispatch_key_set(keys);
+    if (mask & kGrad) c10::AutogradState::set_tls_state(autograd);
+    if (mask & kDtypes) {
+      at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+      at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+    }
+    if (mask & kCache) at::autocast::set_autocast_cache_enabled(cache);
+    if (mask & kNesting) set_autocast_nesting(nesting);
   }
 };
 
@@ -126,6 +149,7 @@ struct BlockState {
   Fingerprint fp;
   // set while the block runs:
   enum class Entry { fast, simple, full } entry = Entry::fast;
+  unsigned entry_mask = kAll;                 // the simple parts installed at entry
   std::optional<at::ThreadLocalState> outer;  // the thread's full state at a full entry
   std::optional<Simple> outer_simple;         // the thread's simple state at a non-fast entry
   bool inside = false;
@@ -171,15 +195,18 @@ void enter_impl(BlockState& b) {
     return;
   }
   b.slow_entries++;
-  b.outer_simple.emplace();
   if (same_complex(now, b.fp)) {
-    b.entry = BlockState::Entry::simple;  // only grad / inference / autocast differ
+    b.entry = BlockState::Entry::simple;  // only grad / inference / autocast differ: set those
+    b.entry_mask = simple_diff(now, b.fp);
+    b.outer_simple.emplace(b.entry_mask);
   } else {
     b.entry = BlockState::Entry::full;
+    b.entry_mask = kAll;
+    b.outer_simple.emplace(kAll);
     b.outer.emplace();
     at::ThreadLocalState::setThreadLocalState(*b.state);
   }
-  b.simple.apply();
+  b.simple.apply(b.entry_mask);
 }
 
 // Switch out of a block: keep what it changed, give the thread back its state.
@@ -190,17 +217,31 @@ void leave_impl(BlockState& b) {
   const bool changed = now != b.fp;
   const bool complex_changed = changed && !same_complex(now, b.fp);
   if (b.entry != BlockState::Entry::fast) {
+    const Fingerprint old_fp = b.fp;
+    std::optional<Simple> prev;  // the block's simple state before this run
+    std::shared_ptr<const at::ThreadLocalState> prev_state;
     if (changed) {
+      prev.emplace(b.simple);
       b.simple = Simple();
-      if (complex_changed) b.state = std::make_shared<const at::ThreadLocalState>();
+      if (complex_changed) {
+        prev_state = std::move(b.state);
+        b.state = std::make_shared<const at::ThreadLocalState>();
+      }
       b.fp = now;
       b.captures++;
     }
     if (b.entry == BlockState::Entry::full) {
       at::ThreadLocalState::setThreadLocalState(*b.outer);
       b.outer.reset();
+    } else if (prev_state) {
+      // a simple entry, and the block changed its mode stacks or hooks: before, they were the
+      // thread's; the parts not installed at entry were the thread's too
+      at::ThreadLocalState::setThreadLocalState(*prev_state);
+      prev->apply(kAll);
+    } else if (prev) {
+      prev->apply(simple_diff(now, old_fp) & ~b.entry_mask);  // parts the block changed itself
     }
-    b.outer_simple->apply();
+    b.outer_simple->apply(b.entry_mask);
     b.outer_simple.reset();
     return;
   }
@@ -209,15 +250,18 @@ void leave_impl(BlockState& b) {
   }
   // the block changed its state after a fast entry: before that, its state was the thread's
   Simple previous_simple = b.simple;
+  const Fingerprint old_fp = b.fp;
   b.simple = Simple();
   b.captures++;
+  b.fp = now;
   if (complex_changed) {
     auto previous = std::move(b.state);
     b.state = std::make_shared<const at::ThreadLocalState>();
     at::ThreadLocalState::setThreadLocalState(*previous);
+    previous_simple.apply(kAll);
+    return;
   }
-  b.fp = now;
-  previous_simple.apply();
+  previous_simple.apply(simple_diff(now, old_fp));
 }
 
 void enter(BlockState& b) { timed(true, [&] { enter_impl(b); }); }

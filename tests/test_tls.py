@@ -119,6 +119,40 @@ def test_state_held_across_awaits_does_not_leak_into_the_model(ctx, swap):
     assert torch_state() == outside
 
 
+def test_state_changing_between_awaits_in_every_way_never_leaks():
+    """A block that holds no_grad, then also a mode, then autocast, across awaits: each kind of
+    switch (a grad-only entry, a mode pushed during such a run, autocast entered on top of it)
+    leaves the model's own state untouched and gives the block its own back."""
+    torch.manual_seed(0)
+    model = ProbeNet()
+    engine = _engine(model, True)
+
+    async def block(m):
+        seen = []
+        with torch.no_grad():
+            await m.p0.output
+            seen.append(torch_state())
+            with CountingMode():
+                await m.lin0.output
+                seen.append(torch_state())
+            await m.p1.output
+            seen.append(torch_state())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                await m.lin1.output
+                seen.append(torch_state())
+            await m.p2.output
+            seen.append(torch_state())
+        return seen
+
+    with asyncpp.trace(engine, grad=True) as t:
+        h = t.invoke(torch.randn(2, 4), block)
+    outside = {"grad": True, "inference": False, "autocast": False, "modes": 0}
+    held = {"grad": False, "inference": False, "autocast": False, "modes": 0}
+    assert h.result == [held, {**held, "modes": 1}, held, {**held, "autocast": True}, held]
+    assert model.p1.seen[-1] == outside and model.p2.seen[-1] == outside
+    assert torch_state() == outside
+
+
 def test_torch_function_mode_sees_only_the_blocks_own_ops(swap):
     torch.manual_seed(0)
     model = ProbeNet()
