@@ -193,17 +193,7 @@ def w_plain_corrupt(engine: Any, ctx: Ctx) -> Out:
 
 
 def w_plain_gen(engine: Any, ctx: Ctx) -> Out:
-    hs = run(
-        engine,
-        [(p, steer_every_step, None, 0) for p in ctx.prompts],
-        max_new_tokens=ctx.new_tokens,
-        ignore_eos=True,
-    )
-    return Out(
-        [c for h in hs for c in h.result],
-        [f"p{i} step {s}" for i, h in enumerate(hs) for s in range(len(h.result))],
-        tokens=[h.tokens[0].tolist() for h in hs],
-    )
+    return _generate(engine, ctx, None, 0)
 
 
 def w_lens(engine: Any, ctx: Ctx) -> Out:
@@ -233,9 +223,15 @@ def w_patch(engine: Any, ctx: Ctx) -> Out:
 
 
 def w_gen(engine: Any, ctx: Ctx) -> Out:
+    return _generate(engine, ctx, ctx.vec, STEER_LAYER)
+
+
+def _generate(engine: Any, ctx: Ctx, vec: torch.Tensor | None, layer: int) -> Out:
+    """Generation with ``vec`` added at ``layer`` every step (None: no steering); every step's
+    logits and the tokens."""
     hs = run(
         engine,
-        [(p, steer_every_step, ctx.vec, STEER_LAYER) for p in ctx.prompts],
+        [(p, steer_every_step, vec, layer) for p in ctx.prompts],
         max_new_tokens=ctx.new_tokens,
         ignore_eos=True,
     )

@@ -73,7 +73,6 @@ def _stage_run(block: Any, fail_b: bool, svc: Any, rank: int, world: int) -> dic
             session.serve()  # the serve point after the forward
             kernel.finish_blocks([blk])
             result = session.result(blk.result) if blk.error is None else repr(blk.error)
-        took = time.monotonic()
         svc.release(5)
         end = time.monotonic() + 10  # the buffer goes when the peer's release arrives
         while any(svc.held().values()) and time.monotonic() < end:
@@ -85,7 +84,6 @@ def _stage_run(block: Any, fail_b: bool, svc: Any, rank: int, world: int) -> dic
             "parked": parked,
             "stats": dict(svc.stats),
             "held": svc.held(),
-            "released_at": took,
         }
 
 
@@ -132,4 +130,4 @@ def test_a_pull_waiting_for_a_value_its_owner_will_never_produce_fails_at_releas
     the deadline (20 s here)."""
     r0, r1 = _run(_scenario(catches, fail_b="release"), 2, tmp_path)
     assert r0["result"].startswith("caught:") and "ended on stage 1" in r0["result"], r0["result"]
-    assert r0["released_at"] - r1["released_at"] < 10
+    assert "timed out" not in r0["result"]  # answered by the release, not by the deadline

@@ -36,18 +36,23 @@ def engine(**options):
     return asyncpp.VllmEngine(dtype="float32", **options)
 
 
+def engine_pair(first: dict, second: dict):
+    """Two engines, started one after the other, both closed after the class's tests."""
+    a = engine(**first)
+    try:
+        b = engine(**second)
+    except BaseException:
+        a.close()
+        raise
+    yield a, b
+    b.close()
+    a.close()
+
+
 class TestThreeStages:
     @pytest.fixture(scope="class")
     def engines(self):
-        one = engine()
-        try:
-            three = engine(pipeline_parallel_size=3)
-        except BaseException:
-            one.close()
-            raise
-        yield one, three
-        three.close()
-        one.close()
+        yield from engine_pair({}, {"pipeline_parallel_size": 3})
 
     def test_logits_and_hidden_states(self, engines):
         one, three = engines
@@ -73,15 +78,9 @@ class TestThreeStages:
 class TestTensorAndPipeline:
     @pytest.fixture(scope="class")
     def engines(self):
-        tp = engine(tensor_parallel_size=2)
-        try:
-            both = engine(tensor_parallel_size=2, pipeline_parallel_size=2)
-        except BaseException:
-            tp.close()
-            raise
-        yield tp, both
-        both.close()
-        tp.close()
+        yield from engine_pair(
+            {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+        )
 
     def test_logits_and_hidden_states(self, engines):
         tp, both = engines

@@ -286,11 +286,17 @@ def test_roundtrip_values_dtypes_containers_and_counters(tmp_path: Path) -> None
 # ---------------------------------------------------------------------------------------------- waiting, errors
 
 
-def _later(delay: float, fn: Callable[[], Any]) -> threading.Thread:
-    """Run fn after ``delay`` seconds on another thread (the owner's model reaching a location later)."""
+def _later(
+    delay: float, fn: Callable[[], Any], at: dict[str, float] | None = None, name: str = ""
+) -> threading.Thread:
+    """Run fn after ``delay`` seconds on another thread (the owner's model reaching a location later);
+    ``at[name]`` records when it began (time.monotonic is one clock for every process here), so
+    tests compare the order of events rather than durations."""
 
     def go() -> None:
         time.sleep(delay)
+        if at is not None:
+            at[name] = time.monotonic()
         fn()
 
     t = threading.Thread(target=go, daemon=True)
@@ -299,12 +305,13 @@ def _later(delay: float, fn: Callable[[], Any]) -> threading.Thread:
 
 
 def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"at": {}}
+    at = out["at"]
     req = 5
     dist.barrier()
     if rank == 0:
         # the owner reaches its locations only after the pulls were sent
-        _later(0.8, lambda: svc.publish(req, 1, 0, torch.arange(6, dtype=torch.int64).view(2, 3)))
+        _later(0.8, lambda: svc.publish(req, 1, 0, torch.arange(6, dtype=torch.int64).view(2, 3)), at, "pub1")
         svc.fail(req, 2, 0, "boom: layer 3 raised ValueError")
         _later(0.5, lambda: svc.fail(req, 3, 0, "late boom"))
         svc.publish(req, 4, 0, (torch.ones(2), torch.ones(2, dtype=torch.int64), torch.zeros(1)))
@@ -312,9 +319,8 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         svc.publish(req, 6, 0, [torch.ones(1), [torch.ones(1), "text"]])
         out["local_mixed"] = _catch(lambda: svc.local(req, 4, 0))
         # an owner pulling from itself waits for its own publish (another thread reaches it)
-        t0 = time.monotonic()
-        _later(0.3, lambda: svc.publish(req, 7, 0, torch.tensor([1.5])))
-        out["self_wait"] = (svc.pull(0, req, 7, 0, where="self").tolist(), time.monotonic() - t0)
+        _later(0.3, lambda: svc.publish(req, 7, 0, torch.tensor([1.5])), at, "pub7")
+        out["self_wait"] = (svc.pull(0, req, 7, 0, where="self").tolist(), time.monotonic())
         dist.barrier()  # 1: stage 1 done with the above
         dist.barrier()  # 2: stage 1's pull of key 9 timed out
         time.sleep(0.3)  # let the cancel arrive
@@ -325,13 +331,12 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         out["sent_after_cancel"] = svc.stats["served"] + svc.stats["served_errors"] - served
         # clear() answers a pull waiting for a value of the request with an error
         dist.barrier()  # 3
-        _later(0.4, lambda: svc.clear(6))
+        _later(0.4, lambda: svc.clear(6), at, "clear6")
         dist.barrier()  # 4: stage 1 saw it
         dist.barrier()  # 5: stage 1 has a pull waiting here that nobody will answer; close answers it
     else:
-        t0 = time.monotonic()
         v = svc.pull(0, req, 1, 0, where="model.layers.1.output")
-        out["waited"] = (v.tolist(), str(v.dtype), time.monotonic() - t0)
+        out["waited"] = (v.tolist(), str(v.dtype), time.monotonic())
         out["failed"] = _catch(lambda: svc.pull(0, req, 2, 0, where="model.layers.2.output"))
         out["failed_later"] = _catch(lambda: svc.pull(0, req, 3, 0, where="model.layers.3.mlp.output"))
         out["mixed"] = _catch(lambda: svc.pull(0, req, 4, 0, where="model.layers.4.output"))
@@ -339,14 +344,11 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         out["str_leaf"] = _catch(lambda: svc.pull(0, req, 6, 0, where="model.layers.6.output"))
         out["bad_owner"] = _catch(lambda: svc.pull(7, req, 1, 0, where="model.norm.output"))
         dist.barrier()  # 1
-        t0 = time.monotonic()
         out["timeout"] = _catch(lambda: svc.pull(0, req, 9, 0, where="model.layers.9.output"))
-        out["timeout_s"] = time.monotonic() - t0
         dist.barrier()  # 2
         dist.barrier()  # 3
-        t0 = time.monotonic()
         out["cleared"] = _catch(lambda: svc.pull(0, 6, 1, 0, where="model.layers.0.output"))
-        out["cleared_s"] = time.monotonic() - t0
+        out["cleared_at"] = time.monotonic()
         out["after_clear"] = _catch(lambda: svc.pull(0, 6, 2, 0, where="model.layers.1.output"))
         out["late_replies"] = svc.stats["late_replies"]
         dist.barrier()  # 4
@@ -369,9 +371,9 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
 def test_waiting_pulls_errors_timeout_clear_and_close(tmp_path: Path) -> None:
     r0, r1 = _run(_scenario_waiting_and_errors, 2, tmp_path, deadline_s=3.0)
 
-    value, dtype, waited = r1["waited"]
+    value, dtype, answered = r1["waited"]
     assert value == [[0, 1, 2], [3, 4, 5]] and dtype == "torch.int64"
-    assert waited >= 0.5, "the pull was answered before the owner published"
+    assert answered >= r0["at"]["pub1"], "the pull was answered before the owner published"
 
     kind, msg = r1["failed"]
     assert kind == "PullError" and "boom: layer 3 raised ValueError" in msg
@@ -390,17 +392,16 @@ def test_waiting_pulls_errors_timeout_clear_and_close(tmp_path: Path) -> None:
     kind, msg = r1["bad_owner"]
     assert kind == "PullError" and "stage 7" in msg
 
-    assert r0["self_wait"][0] == [1.5] and r0["self_wait"][1] >= 0.2
+    assert r0["self_wait"][0] == [1.5] and r0["self_wait"][1] >= r0["at"]["pub7"]
 
     kind, msg = r1["timeout"]
     assert kind == "PullTimeout", (kind, msg)
     assert "model.layers.9.output" in msg and "stage 0" in msg and "timed out after 3." in msg
-    assert 2.9 <= r1["timeout_s"] < 10
     assert r0["cancels"] == 1 and r0["sent_after_cancel"] == 0
 
     kind, msg = r1["cleared"]
     assert kind == "PullError" and "request 6 ended" in msg and "before" in msg and "produced" in msg
-    assert 0.2 <= r1["cleared_s"] < 2.5
+    assert r1["cleared_at"] >= r0["at"]["clear6"]  # answered by the clear, not before it
     kind, msg = r1["after_clear"]
     assert kind == "PullError" and "request 6 ended" in msg
 
@@ -416,7 +417,7 @@ def test_waiting_pulls_errors_timeout_clear_and_close(tmp_path: Path) -> None:
 
 
 def _scenario_drain_and_concurrency(svc: PullService, rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"drain_s": {}, "values_ok": [], "has_after": []}
+    out: dict[str, Any] = {"drain_called": {}, "drain_returned": {}, "values_ok": [], "has_after": []}
     # several requests, every rank pulling from every other (often before the owner published),
     # then draining them in the same order; stage 2 is slow to drain request 102
     for req in range(100, 105):
@@ -431,9 +432,9 @@ def _scenario_drain_and_concurrency(svc: PullService, rank: int, world: int) -> 
         out["values_ok"].append(ok)
         if rank == 2 and req == 102:
             time.sleep(1.0)
-        t0 = time.monotonic()
+        out["drain_called"][req] = time.monotonic()
         svc.drain(req)
-        out["drain_s"][req] = time.monotonic() - t0
+        out["drain_returned"][req] = time.monotonic()
         out["has_after"].append(svc.has(req, rank, 0))
 
     # concurrent pulls: stage 0 pulls from two threads at once (from both owners, same keys too) while
@@ -496,8 +497,7 @@ def test_drain_three_ranks_and_concurrent_pulls(tmp_path: Path) -> None:
         assert r["stats"]["timeouts"] == r["stats"]["late_replies"] == r["stats"]["served_errors"] == 0
     # drain returns only once every rank called it: stage 2 drained request 102 1 s late
     for rank in (0, 1):
-        assert reports[rank]["drain_s"][102] >= 0.5, reports[rank]["drain_s"]
-    assert reports[2]["drain_s"][102] < 0.5
+        assert reports[rank]["drain_returned"][102] >= reports[2]["drain_called"][102]
     # every pull was served once; bytes sent by all == bytes received by all (after close, when every
     # message, goodbyes included, has arrived)
     stats = [r["final_stats"] for r in reports]

@@ -93,10 +93,8 @@ class LazyValue:
             self._value = self._compute()
         return self._value
 
-    def __await__(self):
-        if self._value is not _UNSET:
-            return self._value
-        return (yield Pull(self))
+    def __await__(self):  # `await value`: the same as `await asyncpp.pull(value)`
+        return _Pulling(self).__await__()
 
     # --- lazy operations -------------------------------------------------------------------------
 

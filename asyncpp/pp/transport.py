@@ -466,6 +466,17 @@ class PullService:
             raise KeyError(f"stage {self.rank} holds no value for request {req}, key {key}, tag {tag}")
         return self._open(entry, where=f"request {req} key {key} tag {tag}", owner=self.rank)
 
+    def _announce_done(self, req: int) -> bool:
+        """Tell every peer this rank is done with ``req`` (a DRAIN message); False when this service
+        cannot send any more (closed or broken)."""
+        with self._lock:
+            usable = self._started and not self._closed and self._broken is None
+        if usable:
+            for peer in range(self.world):
+                if peer != self.rank:
+                    self._post(_Out(peer, _header(_DRAIN, self.rank, req), ctrl=True))
+        return usable
+
     def release(self, req: int) -> None:
         """Request end without waiting: tell every peer this rank is done with ``req``; its buffer is
         cleared once every peer has said the same (at once if they already have), so no rank frees
@@ -473,12 +484,7 @@ class PullService:
         if self.world == 1:
             self.clear(req)
             return
-        with self._lock:
-            usable = self._started and not self._closed and self._broken is None
-        if usable:
-            for peer in range(self.world):
-                if peer != self.rank:
-                    self._post(_Out(peer, _header(_DRAIN, self.rank, req), ctrl=True))
+        usable = self._announce_done(req)
         with self._lock:
             done = len(self._drains.get(req, ())) == self.world - 1 or not usable
             if done:
@@ -519,12 +525,7 @@ class PullService:
         if self.world == 1:
             self.clear(req)
             return
-        with self._lock:
-            usable = self._started and not self._closed and self._broken is None
-        if usable:
-            for peer in range(self.world):
-                if peer != self.rank:
-                    self._post(_Out(peer, _header(_DRAIN, self.rank, req), ctrl=True))
+        self._announce_done(req)
         peers = set(range(self.world)) - {self.rank}
         start = time.monotonic()
         problem: PullError | None = None
