@@ -11,6 +11,10 @@
 #include <ATen/Context.h>
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/PythonDispatcherTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/core/AutogradState.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include "asyncpp_native.h"
@@ -46,13 +50,50 @@ uint64_t ptr_bits(const void* p) { return static_cast<uint64_t>(reinterpret_cast
 // which only a full at::ThreadLocalState capture and restore can carry.
 constexpr size_t kSimpleWords = 4;
 
+// Torch keeps the mode stacks' thread-local state in objects whose fields are private; an explicit
+// template instantiation may name private members, which lets the fingerprint read those fields in
+// place (one pointer cached per thread) instead of calling into torch for each.
+template <typename Tag, typename Tag::type Member>
+struct Expose {
+  friend typename Tag::type member(Tag) { return Member; }
+};
+using DispatchModePtr = std::shared_ptr<c10::impl::PyObject_TorchDispatchMode>;
+struct TfStack {
+  using type = std::vector<std::shared_ptr<c10::SafePyObject>> at::impl::PythonTorchFunctionTLS::*;
+  friend type member(TfStack);
+};
+struct TfDisabled {
+  using type = at::impl::TorchFunctionDisabledState at::impl::PythonTorchFunctionTLS::*;
+  friend type member(TfDisabled);
+};
+struct DmStack {
+  using type = std::vector<DispatchModePtr> c10::impl::TorchDispatchModeTLS::*;
+  friend type member(DmStack);
+};
+struct DmInfra {
+  using type = std::array<std::optional<DispatchModePtr>,
+                          static_cast<size_t>(c10::impl::TorchDispatchModeKey::NUM_MODE_KEYS)>
+      c10::impl::TorchDispatchModeTLS::*;
+  friend type member(DmInfra);
+};
+template struct Expose<TfStack, &at::impl::PythonTorchFunctionTLS::stack_>;
+template struct Expose<TfDisabled, &at::impl::PythonTorchFunctionTLS::disabled_state_>;
+template struct Expose<DmStack, &c10::impl::TorchDispatchModeTLS::stack_>;
+template struct Expose<DmInfra, &c10::impl::TorchDispatchModeTLS::infra_modes_>;
+
 // Where this thread keeps the state objects torch hands out by reference: cached once per thread,
 // so a fingerprint reads them directly instead of calling into torch for each (after a forward the
 // caches are cold, and every call into another library is a miss or two).
 struct Sources {
+  const c10::impl::PODLocalDispatchKeySet* keys = &c10::impl::raw_local_dispatch_key_set;
   const c10::AutogradState* autograd = &c10::AutogradState::get_tls_state();
   const at::impl::SavedTensorDefaultHooksTLS* hooks = &at::SavedTensorDefaultHooks::get_tls_state();
+  const at::impl::PythonTorchFunctionTLS* tf = &at::impl::PythonTorchFunctionTLS::get_state();
+  const c10::impl::TorchDispatchModeTLS* dm = &c10::impl::TorchDispatchModeTLS::get_state();
+  const at::RecordFunctionTLS* rf = &at::get_record_function_tls_();
 };
+
+const uint64_t kPythonDispatcherKey = c10::DispatchKeySet(c10::DispatchKey::PythonDispatcher).raw_repr();
 
 // Without CUDA, the CUDA autocast dtype cannot change what anything computes.
 const bool kWatchCudaDtype = at::hasCUDA();
@@ -60,9 +101,8 @@ const bool kWatchCudaDtype = at::hasCUDA();
 Fingerprint fingerprint() {
   thread_local const Sources src;
   Fingerprint f{};
-  const auto keys = c10::impl::tls_local_dispatch_key_set();
-  f[0] = keys.included_.raw_repr();
-  f[1] = keys.excluded_.raw_repr();
+  f[0] = src.keys->included_;  // raw (stored xor the default set): equal sets, equal words
+  f[1] = src.keys->excluded_;
   const c10::AutogradState& ag = *src.autograd;
   f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
          ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
@@ -71,16 +111,21 @@ Fingerprint fingerprint() {
   f[3] = (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU)) |
          (kWatchCudaDtype ? (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA)) << 16 : 0) |
          ((uint64_t)static_cast<uint32_t>(autocast_nesting()) << 32);
-  const int64_t tf_len = at::impl::PythonTorchFunctionTLS::stack_len();
-  f[4] = (uint64_t)tf_len | ((uint64_t)static_cast<int>(at::impl::PythonTorchFunctionTLS::get_disabled_state()) << 48);
-  f[5] = tf_len ? ptr_bits(at::impl::PythonTorchFunctionTLS::get_stack_at(tf_len - 1).get()) : 0;
-  const int64_t dm_len = c10::impl::TorchDispatchModeTLS::stack_len();
-  f[6] = (uint64_t)dm_len | ((uint64_t)c10::impl::TorchDispatchModeTLS::any_modes_set() << 48);
-  f[7] = dm_len ? ptr_bits(c10::impl::TorchDispatchModeTLS::get_stack_at(dm_len - 1).get()) : 0;
-  f[8] = ptr_bits(c10::impl::PythonDispatcherTLS::get_state());
+  const auto& tf_stack = src.tf->*member(TfStack{});
+  f[4] = (uint64_t)tf_stack.size() | ((uint64_t)static_cast<int>(src.tf->*member(TfDisabled{})) << 48);
+  f[5] = tf_stack.empty() ? 0 : ptr_bits(tf_stack.back().get());
+  // the infra modes (fake tensor, proxy, functional) sit outside the stack: any set one counts
+  const auto& dm_stack = src.dm->*member(DmStack{});
+  uint64_t infra = 0;
+  for (const auto& mode : src.dm->*member(DmInfra{})) infra = infra * 2 + mode.has_value();
+  f[6] = (uint64_t)dm_stack.size() | (infra << 32);
+  f[7] = dm_stack.empty() ? 0 : ptr_bits(dm_stack.back().get());
+  // the python dispatcher's key is in the included set exactly while it is on: a complex part
+  f[8] = f[0] & kPythonDispatcherKey;
   const auto& hooks = src.hooks->stack;
   f[9] = hooks.size() | ((uint64_t)!src.hooks->disabled_error_message.has_value() << 48) |
-         ((uint64_t)src.hooks->is_tracing << 50) | ((uint64_t)at::hasThreadLocalCallbacks() << 49);
+         ((uint64_t)src.hooks->is_tracing << 50) | ((uint64_t)!src.rf->sorted_tls_callbacks_.empty() << 49) |
+         ((uint64_t)src.rf->tls_record_function_enabled_ << 51);
   f[10] = hooks.empty() ? 0 : ptr_bits(&hooks.top());
   // c10::ThreadLocalDebugInfo is left out: reading it copies a shared_ptr (atomics) at every
   // switch, and only C++ code (profilers) sets it; a full capture still carries it.

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import asyncpp
 from asyncpp.kernel.interleaver import Interleaver
@@ -28,7 +29,24 @@ def torch_state() -> dict:
         "inference": torch.is_inference_mode_enabled(),
         "autocast": torch.is_autocast_enabled("cpu"),
         "modes": len(torch.overrides._get_current_function_mode_stack()),
+        "dispatch_modes": len(_get_current_dispatch_mode_stack()),
+        "autocast_dtype": torch.get_autocast_dtype("cpu"),
+        "python_dispatcher": torch._C._dispatch_tls_is_dispatch_key_included(
+            torch._C.DispatchKey.PythonDispatcher
+        ),
     }
+
+
+# the state outside any context, in a forward run with grad on
+OUTSIDE = {
+    "grad": True,
+    "inference": False,
+    "autocast": False,
+    "modes": 0,
+    "dispatch_modes": 0,
+    "autocast_dtype": torch.bfloat16,
+    "python_dispatcher": False,
+}
 
 
 class Probe(nn.Module):
@@ -68,11 +86,24 @@ class CountingMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class CountingDispatchMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 CONTEXTS = {
     "no_grad": (torch.no_grad, "grad", False),
     "inference_mode": (torch.inference_mode, "inference", True),
     "autocast": (lambda: torch.autocast("cpu", dtype=torch.bfloat16), "autocast", True),
     "torch_function_mode": (CountingMode, "modes", 1),
+    "torch_dispatch_mode": (CountingDispatchMode, "dispatch_modes", 1),
+    # autocast off but its dtype changed: a later torch.autocast("cpu") in the model would take it
+    "autocast_dtype_only": (
+        lambda: torch.autocast("cpu", enabled=False, dtype=torch.float16),
+        "autocast_dtype",
+        torch.float16,
+    ),
+    "python_dispatcher": (torch._C._EnablePythonDispatcher, "python_dispatcher", True),
 }
 
 
@@ -109,7 +140,7 @@ def test_state_held_across_awaits_does_not_leak_into_the_model(ctx, swap):
     with asyncpp.trace(engine, grad=True) as t:
         h = t.invoke(torch.randn(2, 4), block)
         o = t.invoke(other)
-    outside = {"grad": True, "inference": False, "autocast": False, "modes": 0}
+    outside = OUTSIDE
     assert h.result[key] == inside_value
     if swap:
         assert model.p1.seen[-1] == outside  # the model's own layers never saw the block's state
@@ -146,8 +177,8 @@ def test_state_changing_between_awaits_in_every_way_never_leaks():
 
     with asyncpp.trace(engine, grad=True) as t:
         h = t.invoke(torch.randn(2, 4), block)
-    outside = {"grad": True, "inference": False, "autocast": False, "modes": 0}
-    held = {"grad": False, "inference": False, "autocast": False, "modes": 0}
+    outside = OUTSIDE
+    held = {**OUTSIDE, "grad": False}
     assert h.result == [held, {**held, "modes": 1}, held, {**held, "autocast": True}, held]
     assert model.p1.seen[-1] == outside and model.p2.seen[-1] == outside
     assert torch_state() == outside
