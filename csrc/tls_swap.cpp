@@ -198,6 +198,9 @@ struct BlockState {
   std::optional<at::ThreadLocalState> outer;  // the thread's full state at a full entry
   std::optional<Simple> outer_simple;         // the thread's simple state at a non-fast entry
   bool inside = false;
+  // forked and not yet entered: the template's state, until the first entry checks that the thread
+  // still has it (the block starts with the thread's state at that moment)
+  bool unverified = false;
   uint64_t slow_entries = 0;  // for the benchmark: entries that had to install another state
   uint64_t captures = 0;      // leaves where the block had changed its state
 
@@ -235,6 +238,14 @@ void enter_impl(BlockState& b) {
   TORCH_CHECK(!b.inside, "asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
   b.inside = true;
   Fingerprint now = fingerprint();
+  if (b.unverified) {
+    b.unverified = false;
+    if (now != b.fp) {  // the thread's state moved on since the template: start from the thread's
+      b.state = std::make_shared<const at::ThreadLocalState>();
+      b.simple = Simple();
+      b.fp = now;
+    }
+  }
   if (now == b.fp) {
     b.entry = BlockState::Entry::fast;  // the thread already has the block's state
     return;
@@ -346,14 +357,17 @@ void state_dealloc(PyObject* o) {
   Py_TYPE(o)->tp_free(o);
 }
 
-// template.fork(): a new block's state, a copy of the template when the thread still has its
-// state (the common case: every block of a run starts from the same forward state; the copy shares
-// the template's full capture), else a fresh capture.
+// template.fork(): a new block's state. It starts as a copy of the template (sharing its full
+// capture) and takes the thread's state instead at its first entry if the thread's state is no
+// longer the template's, so forking costs no look at the thread's state of its own.
 PyObject* state_fork(PyObject* o, PyObject*) {
   const BlockState& t = *reinterpret_cast<PyBlockState*>(o)->impl;
   try {
     BlockState* made = nullptr;
-    timed(false, [&] { made = fingerprint() == t.fp ? new BlockState(t) : new BlockState(); });
+    timed(false, [&] {
+      made = new BlockState(t);
+      made->unverified = true;
+    });
     return wrap(made);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());

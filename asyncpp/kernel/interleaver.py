@@ -315,7 +315,7 @@ class Interleaver:
         if self.switch is not None:
             if self._template is None:
                 self._template = self.switch.BlockState()
-            block.state = self._template.fork()  # the thread's state right now (a copy if unchanged)
+            block.state = self._template.fork()  # the thread's state as its first entry (now) finds it
         self._resume(block, None, None)
         return block
 
