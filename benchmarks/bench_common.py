@@ -48,6 +48,32 @@ def load_average(note: str = "expect noisier figures") -> str:
     return text + (f" (other work was running: {note})" if avg[0] > 0.5 else "")
 
 
+def machine_info(
+    load_note: str = "expect noisier figures", extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The machine, the versions and the load a benchmark ran with (``extra`` goes before the load)."""
+    import torch
+
+    import asyncpp
+
+    rev = git_rev()
+    where = Path(asyncpp.__file__).resolve().parent
+    if where.is_relative_to(ROOT):
+        version = asyncpp.__version__ + (f", {rev}" if rev else "")
+    else:
+        version = f"{asyncpp.__version__} from {where}"
+    return {
+        "cpu": cpu_model(),
+        "cores": f"{os.cpu_count()} logical, {usable_cores()} usable; torch threads {torch.get_num_threads()}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "asyncpp": version,
+        **(extra or {}),
+        "load average before the run": load_average(load_note),
+    }
+
+
 def command_line(script: str) -> str:
     """The command that ran ``script`` (its ``__file__``), relative to the repository."""
     exe = Path(sys.executable).absolute()

@@ -44,7 +44,6 @@ import cProfile
 import datetime
 import gc
 import os
-import platform
 import pstats
 import random
 import time
@@ -327,25 +326,9 @@ async def async_rounds(
 
 
 def machine_info() -> dict[str, str]:
-    cpu = bench_common.cpu_model()
-    usable = bench_common.usable_cores()
-    rev = bench_common.git_rev()
-    where = Path(asyncpp.__file__).resolve().parent
-    if where.is_relative_to(ROOT) and rev:
-        version = f"{asyncpp.__version__}, {rev}"
-    else:
-        version = f"{asyncpp.__version__} from {where}"
-    load = bench_common.load_average("expect noisier figures, thread hand-offs most of all")
-    return {
-        "cpu": cpu,
-        "cores": f"{os.cpu_count()} logical, {usable} usable; torch threads {torch.get_num_threads()}",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "asyncpp": version,
-        "torch TLS swap": tls_state(),
-        "load average before the run": load,
-    }
+    return bench_common.machine_info(
+        "expect noisier figures, thread hand-offs most of all", {"torch TLS swap": tls_state()}
+    )
 
 
 def tls_state() -> str:

@@ -60,8 +60,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import os
-import platform
 import random
 import time
 from collections.abc import Callable
@@ -125,22 +123,6 @@ def verdict_ci(lo: float, hi: float, target: float) -> str:
 def pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def machine_info() -> dict[str, str]:
-    cpu = bench_common.cpu_model()
-    usable = bench_common.usable_cores()
-    rev = bench_common.git_rev()
-    load = bench_common.load_average()
-    return {
-        "cpu": cpu,
-        "cores": f"{os.cpu_count()} logical, {usable} usable; torch threads {torch.get_num_threads()}",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "asyncpp": f"{asyncpp.__version__}" + (f", {rev}" if rev else ""),
-        "load average before the run": load,
-    }
 
 
 def command_line() -> str:
@@ -316,12 +298,21 @@ def _seen(probe: dict | None) -> None:
         probe["resumes"] += 1
 
 
+def _held(hold: Callable | None, across: bool) -> Any:
+    """The context a block holds across its awaits; without ``across`` (the swap-off run of a held
+    block) the context is entered and left once here instead, and nothing is held."""
+    if hold is None:
+        return contextlib.nullcontext()
+    if across:
+        return hold()
+    with hold():
+        pass
+    return contextlib.nullcontext()
+
+
 async def mlp_block(m, hold=None, across=True, probe=None):
     _probe_start(probe)
-    ctx = hold() if hold is not None and across else contextlib.nullcontext()
-    if hold is not None and not across:
-        with hold():
-            pass
+    ctx = _held(hold, across)
     with ctx:
         for i in range(MLP_BLOCKS):
             await m[i].output
@@ -334,10 +325,7 @@ async def empty_block(m, hold=None, across=True, probe=None):
 
 async def llama_block(m, hold=None, across=True, probe=None):
     _probe_start(probe)
-    ctx = hold() if hold is not None and across else contextlib.nullcontext()
-    if hold is not None and not across:
-        with hold():
-            pass
+    ctx = _held(hold, across)
     with ctx:
         for layer in m.model.layers:
             await layer.output
@@ -346,10 +334,7 @@ async def llama_block(m, hold=None, across=True, probe=None):
 
 async def llama_gen_block(m, hold=None, across=True, probe=None):
     _probe_start(probe)
-    ctx = hold() if hold is not None and across else contextlib.nullcontext()
-    if hold is not None and not across:
-        with hold():
-            pass
+    ctx = _held(hold, across)
     with ctx:
         async for _step in m.steps():
             _seen(probe)
@@ -781,7 +766,7 @@ def main() -> None:
     from asyncpp.native import load
 
     native = load()
-    info = machine_info()
+    info = bench_common.machine_info()
     t0 = time.perf_counter()
 
     loops = raw_loops(native)
