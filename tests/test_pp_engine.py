@@ -112,7 +112,33 @@ async def generate_with_cross_stage_write(m):
     return tokens
 
 
+async def resolve_every_path(m, paths):
+    """Resolves every path of the one-stage model (and awaits one module on each stage)."""
+    for p in paths:
+        m.find(p).output  # noqa: B018
+    await m.model.layers[0].mlp.output
+    await m.model.layers[3].mlp.output
+    return len(paths)
+
+
 # --- tests -------------------------------------------------------------------------------------
+
+
+def check_full_tree_on_every_stage(one, split, ranks: int) -> None:
+    """Every worker of ``split`` has the one-stage tree (paths and types, same order), its
+    placeholders holding meta modules that took no real memory, and a block resolving every path
+    of it runs (the request is deserialized against the tree on every rank)."""
+    ref = one.worker_trees()[0]
+    trees = split.worker_trees()
+    assert len(trees) == ranks
+    for rank, tree in enumerate(trees):
+        assert tree == ref, (
+            f"rank {rank}: first difference at {next(i for i, e in enumerate(tree) if e != ref[i])}"
+        )
+    stats = split.worker_stats()
+    assert all(s["graft_modules"] > 0 and s["graft_tensor_bytes"] == 0 for s in stats), stats
+    paths = [p for p, _ in ref]
+    assert run(split, resolve_every_path, PROMPT, paths).result == len(paths)
 
 
 def test_logits_and_hidden_states_match_one_stage(one_stage, two_stages):
@@ -123,6 +149,10 @@ def test_logits_and_hidden_states_match_one_stage(one_stage, two_stages):
     same_logits(a["logits"], b["logits"])
     tokens = [run(e, read_logits_and_hidden).tokens.tolist() for e in (one_stage, two_stages)]
     assert tokens[0] == tokens[1]
+
+
+def test_every_stage_has_the_one_stage_tree(one_stage, two_stages):
+    check_full_tree_on_every_stage(one_stage, two_stages, 2)
 
 
 def test_stage_local_write(one_stage, two_stages):

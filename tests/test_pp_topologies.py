@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_pp_engine import (
+    check_full_tree_on_every_stage,
     cross_stage_rmw,
     generate_with_cross_stage_write,
     read_logits_and_hidden,
@@ -54,6 +55,9 @@ class TestThreeStages:
     def engines(self):
         yield from engine_pair({}, {"pipeline_parallel_size": 3})
 
+    def test_every_stage_has_the_one_stage_tree(self, engines):
+        check_full_tree_on_every_stage(*engines, 3)
+
     def test_logits_and_hidden_states(self, engines):
         one, three = engines
         a, b = run(one, read_logits_and_hidden).result, run(three, read_logits_and_hidden).result
@@ -81,6 +85,9 @@ class TestTensorAndPipeline:
         yield from engine_pair(
             {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
         )
+
+    def test_every_rank_has_the_tensor_parallel_tree(self, engines):
+        check_full_tree_on_every_stage(*engines, 4)
 
     def test_logits_and_hidden_states(self, engines):
         tp, both = engines

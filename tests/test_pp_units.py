@@ -38,9 +38,10 @@ class Stage(nn.Module):
         self.logits_processor = nn.Identity()  # built on every stage, run on the last
 
 
-def test_ownership_from_loaded_trees():
+def test_ownership_from_the_union_of_loaded_trees():
+    """The fallback when no full copy could be grafted: the stages' trees differ."""
     reports = [report(Stage(s).named_modules()) for s in range(2)]
-    own = Ownership.from_reports(reports)
+    own = Ownership.from_reports(reports, union=True)
     idx = {p: i for i, p in enumerate(own.paths)}
     assert own.owners[idx["embed"]] == 0
     assert own.owners[idx["layers.0"]] == own.owners[idx["layers.1.mlp"]] == 0
@@ -51,7 +52,7 @@ def test_ownership_from_loaded_trees():
     # every path of the full model resolves, with the real module's type, the same on every rank
     types = dict(own.entries)
     assert types["layers.3"] == "Layer" and types["embed"] == "Embedding" and "layers.3.attn" in types
-    assert Ownership.from_reports(reports).entries == own.entries
+    assert Ownership.from_reports(reports, union=True).entries == own.entries
     # a parent always comes before its children (the tree is built in index order)
     for i, p in enumerate(own.paths):
         if p:

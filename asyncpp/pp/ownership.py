@@ -2,9 +2,10 @@
 
 Every stage reports its modules as (path, type name, real) in its own index order, where *real*
 means a module the stage actually holds: not a placeholder for a layer another stage holds (vLLM's
-``PPMissingLayer``) and not inside one. From the reports of all stages every rank computes the same
-union tree (so a path has the same index on every rank and a block written against the full model
-resolves everywhere) and the owner of every path:
+``PPMissingLayer``) and not inside one. With the full architecture grafted under the placeholders
+(:mod:`asyncpp.pp.graft`) every stage reports the same paths in the same order, and a placeholder
+reports the real module's type; :meth:`Ownership.from_reports` checks that and computes the owner
+of every path:
 
 * a path real on exactly one stage is owned by that stage;
 * modules every stage builds but only the last one runs on its output path (the logits processor,
@@ -13,6 +14,9 @@ resolves everywhere) and the owner of every path:
   visits of them;
 * a path that is a placeholder on some stages and real on none (never happens with vLLM's models)
   is local too.
+
+Where the graft could not be built, the stages' trees differ and ``union=True`` combines them into
+their union instead (stage 0's order, then new paths of later stages).
 """
 
 from __future__ import annotations
@@ -22,23 +26,30 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .graft import STUB_TYPES, Grafted
+
 LOCAL = -1  # owner of a path every stage serves itself
-STUB_TYPES = ("PPMissingLayer",)  # placeholders for modules another stage holds
 LAST_STAGE_ROOTS = ("logits_processor", "sampler")  # built everywhere, run on the last stage only
 
 Report = list[tuple[str, str, bool]]
 
 
-def report(named: Iterable[tuple[str, nn.Module]]) -> Report:
-    """This stage's (path, type name, real) entries, in its index order."""
+def report(named: Iterable[tuple[str, nn.Module]], grafted: Grafted | None = None) -> Report:
+    """This stage's (path, type name, real) entries, in its index order. With ``grafted`` (what
+    :func:`~asyncpp.pp.graft.graft` did to this stage's model) a placeholder is named by the type of
+    the module it stands for, and grafted modules are not real."""
     out: Report = []
     stubs: list[str] = []
+    types = grafted.types if grafted is not None else {}
+    added = frozenset(grafted.added) if grafted is not None else frozenset()
     for path, module in named:
         name = type(module).__name__
-        inside = any(path == s or path.startswith(s + ".") for s in stubs)
-        if name in STUB_TYPES:
-            stubs.append(path)
-        out.append((path, name, not inside and name not in STUB_TYPES))
+        inside = any(path.startswith(s) for s in stubs)
+        stub = name in STUB_TYPES or path in added
+        if stub:
+            stubs.append(path + ".")
+            name = types.get(path, name)
+        out.append((path, name, not inside and not stub))
     return out
 
 
@@ -46,31 +57,27 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + ".") for r in roots)
 
 
+class TreeMismatch(ValueError):
+    """Stages whose grafted module trees differ."""
+
+
 @dataclass
 class Ownership:
-    """The union tree of all stages and the owner of each path (index-aligned)."""
+    """The tree every stage shares and the owner of each path (index-aligned)."""
 
     entries: list[tuple[str, str]]  # (path, type name) by index, the same on every rank
     owners: list[int]  # stage owning each index, or LOCAL
     stages: int
 
     @classmethod
-    def from_reports(cls, reports: list[Report]) -> Ownership:
-        """Combine the reports of stages 0..n-1 (in stage order)."""
-        index: dict[str, int] = {}
-        entries: list[tuple[str, str]] = []
-        real_on: list[list[int]] = []
-        for stage, rep in enumerate(reports):
-            for path, type_name, real in rep:
-                i = index.get(path)
-                if i is None:
-                    i = index[path] = len(entries)
-                    entries.append((path, type_name))
-                    real_on.append([])
-                if real:
-                    real_on[i].append(stage)
-                    if entries[i][1] in STUB_TYPES:
-                        entries[i] = (path, type_name)  # the real module's type, not the stub's
+    def from_reports(cls, reports: list[Report], union: bool = False) -> Ownership:
+        """Combine the reports of stages 0..n-1 (in stage order). Every stage must report the same
+        (path, type) list, else :class:`TreeMismatch` names the first difference; with ``union``
+        the stages' trees may differ and are combined into their union."""
+        if union:
+            entries, real_on = _union(reports)
+        else:
+            entries, real_on = _same(reports)
         last = len(reports) - 1
         owners = []
         for (path, _), stages in zip(entries, real_on, strict=True):
@@ -94,3 +101,42 @@ class Ownership:
         counts = [sum(1 for o in self.owners if o == s) for s in range(self.stages)]
         local = sum(1 for o in self.owners if o == LOCAL)
         return f"stage {stage} of {self.stages}: owned paths per stage {counts}, {local} served everywhere"
+
+
+def _same(reports: list[Report]) -> tuple[list[tuple[str, str]], list[list[int]]]:
+    first = reports[0]
+    for stage, rep in enumerate(reports[1:], 1):
+        for i, ((p0, t0, _), (p, t, _)) in enumerate(zip(first, rep, strict=False)):
+            if p0 != p or t0 != t:
+                raise TreeMismatch(
+                    f"pipeline stages 0 and {stage} loaded different module trees: at index {i} "
+                    f"stage 0 has {p0!r} ({t0}), stage {stage} has {p!r} ({t})"
+                )
+        if len(rep) != len(first):
+            longer, n = (0, first) if len(first) > len(rep) else (stage, rep)
+            i = min(len(first), len(rep))
+            raise TreeMismatch(
+                f"pipeline stages 0 and {stage} loaded different module trees: only stage {longer} "
+                f"has {n[i][0]!r} ({n[i][1]}) at index {i}"
+            )
+    entries = [(p, t) for p, t, _ in first]
+    real_on = [[s for s, rep in enumerate(reports) if rep[i][2]] for i in range(len(first))]
+    return entries, real_on
+
+
+def _union(reports: list[Report]) -> tuple[list[tuple[str, str]], list[list[int]]]:
+    index: dict[str, int] = {}
+    entries: list[tuple[str, str]] = []
+    real_on: list[list[int]] = []
+    for stage, rep in enumerate(reports):
+        for path, type_name, real in rep:
+            i = index.get(path)
+            if i is None:
+                i = index[path] = len(entries)
+                entries.append((path, type_name))
+                real_on.append([])
+            if real:
+                real_on[i].append(stage)
+                if entries[i][1] in STUB_TYPES:
+                    entries[i] = (path, type_name)  # the real module's type, not the stub's
+    return entries, real_on

@@ -143,6 +143,17 @@ class VllmEngine(Engine):
 
         return self._call(stats())
 
+    def worker_trees(self) -> list[list[tuple[str, str]]]:
+        """Every worker's own module tree as (path, type name) in ``named_modules()`` order, in rank
+        order (on a pipeline-parallel engine, with the full architecture grafted under each stage's
+        placeholders, every rank's equals the one-stage model's)."""
+        self._check_open()
+
+        async def trees() -> Any:
+            return await self._llm.collective_rpc("asyncpp_tree", args=(True,))
+
+        return [[(p, t) for p, t in tree] for tree in self._call(trees())]
+
     def __enter__(self) -> VllmEngine:
         return self
 

@@ -28,6 +28,7 @@ from ...pp.ownership import Ownership, report
 from ...pp.stage import StageSession
 from ...pp.transport import PullService
 from ..local.controllers import Controllers
+from .full_model import GraftCost, graft_full_model
 from .tensor_parallel import find_shardings
 from .transport import pack_outcome, unpack_block
 
@@ -54,9 +55,11 @@ class AsyncppWorker(CPUWorker):
 
     # --- called by the driver through collective_rpc (between engine steps) ---------------------
 
-    def asyncpp_tree(self) -> list[list[str]]:
-        """The model's module tree as [path, type name] pairs, in index order."""
-        return self.asyncpp.tree_entries()
+    def asyncpp_tree(self, local: bool = False) -> list[list[str]]:
+        """The model's module tree as [path, type name] pairs, in index order: the tree blocks
+        resolve against, or with ``local`` this worker's own ``named_modules()`` (placeholders
+        named by the type of the module they stand for)."""
+        return self.asyncpp.tree_entries(local)
 
     def asyncpp_collect(self, ids: list[str]) -> list[bytes]:
         """Finish these requests' blocks and return their packed outcomes (and forget them)."""
@@ -88,11 +91,14 @@ class WorkerSession:
         self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
         self.nums: dict[int, int] = {}  # id(block) -> its request's number
         self._starting = 0
+        self.local_tree: list[tuple[str, str]] | None = None
+        self.graft_cost: GraftCost | None = None
         pipeline = _pipeline(runner)
         if pipeline is None:
             self.tree, modules, self.paths = build_tree(model, ALIASES, {"sampler": runner.sampler})
         else:
             ownership, modules = pipeline.ownership, pipeline.modules
+            self.local_tree, self.graft_cost = pipeline.local, pipeline.cost
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
         self.controllers = Controllers(modules)
         kernel = Interleaver(self.paths, 0, step_index=0, switch=tls.get_switch(), slot=self.controllers.slot)
@@ -114,7 +120,9 @@ class WorkerSession:
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
 
-    def tree_entries(self) -> list[list[str]]:
+    def tree_entries(self, local: bool = False) -> list[list[str]]:
+        if local and self.local_tree is not None:
+            return [[p, t] for p, t in self.local_tree]
         return [[p, self.tree.find(p).module_type] for p in self.paths]
 
     # --- engine steps ---------------------------------------------------------------------------
@@ -259,7 +267,19 @@ class WorkerSession:
         if self.stage is None:
             return {}
         st = self.stage.service.stats
+        cost = self.graft_cost
+        graft = (
+            {}
+            if cost is None
+            else {
+                "graft_us": int(cost.seconds * 1e6),
+                "graft_rss_bytes": cost.rss_bytes,
+                "graft_tensor_bytes": cost.tensor_bytes,
+                "graft_modules": cost.modules,
+            }
+        )
         return {
+            **graft,
             "parked_pulls": len(self.stage.parked),
             "pulls": st.get("pulls", 0),
             "pull_bytes": st.get("bytes_in", 0),
@@ -294,12 +314,16 @@ def _stack_dumps() -> None:
 
 
 class _Pipeline:
-    __slots__ = ("ownership", "modules", "stage", "service")
+    __slots__ = ("ownership", "modules", "stage", "service", "local", "cost")
 
 
 def _pipeline(runner: Any) -> _Pipeline | None:
     """On a pipeline-parallel engine: this stage's ownership of the full tree, its modules by
-    index (None where another stage holds the module), and its cross-stage pull service."""
+    index (None where another stage holds the module), and its cross-stage pull service.
+
+    The full architecture is first grafted on the meta device under the stage's placeholders, so
+    every stage reports the same tree as a one-stage model; if that copy cannot be built on some
+    rank, every rank warns and uses the union of the stages' loaded trees instead."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
@@ -308,15 +332,30 @@ def _pipeline(runner: Any) -> _Pipeline | None:
         return None
     _allocate_stage_input(runner)
     model = runner.model
+    out = _Pipeline()
+    out.cost = None
+    grafted = None
+    try:
+        grafted, out.cost = graft_full_model(model, runner.vllm_config)
+        log.info("full tree grafted: %s", out.cost)
+    except Exception as err:
+        log.warning(
+            "asyncpp could not graft a meta-device copy of the model under the pipeline stage's "
+            "placeholders (%s: %s); using the union of the stages' module trees instead",
+            type(err).__name__,
+            err,
+        )
     named = list(model.named_modules(remove_duplicate=True))
     named += list(runner.sampler.named_modules(prefix="sampler", remove_duplicate=True))
-    mine = report(named)
-    reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, mine)  # every rank, rank = stage * tp_size + tp_rank
-    ownership = Ownership.from_reports([reports[s * tp.world_size] for s in range(pp.world_size)])
-    local = {path: module for (path, module), (_, _, real) in zip(named, mine) if real}
-    out = _Pipeline()
+    mine = report(named, grafted)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (grafted is not None, mine))  # rank = stage * tp_size + tp_rank
+    stages = [gathered[s * tp.world_size] for s in range(pp.world_size)]
+    union = not all(ok for ok, _ in gathered)
+    ownership = Ownership.from_reports([rep for _, rep in stages], union=union)
+    local = {path: module for (path, module), (_, _, real) in zip(named, mine, strict=True) if real}
     out.ownership = ownership
+    out.local = [(path, type_name) for path, type_name, _ in mine]
     out.modules = [local.get(p) for p in ownership.paths]
     out.stage = pp.rank_in_group
     column = None
