@@ -131,3 +131,90 @@ def test_a_pull_waiting_for_a_value_its_owner_will_never_produce_fails_at_releas
     r0, r1 = _run(_scenario(catches, fail_b="release"), 2, tmp_path)
     assert r0["result"].startswith("caught:") and "ended on stage 1" in r0["result"], r0["result"]
     assert "timed out" not in r0["result"]  # answered by the release, not by the deadline
+
+
+# --- serve points: non-blocking (inside the forward) and blocking (outside it) ----------------------
+
+
+async def pulls_b(m):
+    b = await m.b.output  # stage 0: a remote value, downstream
+    return await asyncpp.pull(b * 2)  # stage 0 parks; its pull is sent to stage 1 at once
+
+
+def _until(check: Any, what: str, seconds: float = 30.0) -> None:
+    """Wait for another rank (a synchronisation with a hard limit, not a timing check)."""
+    end = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def _serve_points_run(case: str, flag: Any, svc: Any, rank: int, world: int) -> dict[str, Any]:
+    """case "produced": stage 1 produces b before stage 0's non-blocking serve point; "late": only
+    after it; "forgotten": stage 0 forgets the block while its pull is in flight."""
+    kernel, session, m = _stage(svc, rank)
+    out: dict[str, Any] = {}
+    with kernel.active():
+        blk = kernel.start(pulls_b(m), 0, None)
+        if rank == 1:
+            if case != "produced":
+                _until(flag.exists, "stage 0's serve point")
+            if case == "forgotten":
+                _until(lambda: svc.stats["cancels"] == 1, "the cancel")
+            kernel.visit_output(2, B.clone())  # the model reaches b
+        else:
+            out["parked"] = len(session.parked)
+            if case == "produced":
+                _until(lambda: all(h.answered() for _, h in session.parked[0].handles), "the reply")
+            if case == "forgotten":
+                session.forget(blk)
+            session.poll()  # the non-blocking serve point
+            out["after_poll"] = (len(session.parked), blk.done)
+            flag.write_text(case)
+            session.serve()  # the blocking serve point
+            out["after_serve"] = (len(session.parked), blk.done)
+        if case == "forgotten" and rank == 0:
+            kernel.forget(blk)
+            result = "forgotten"
+        else:
+            kernel.finish_blocks([blk])
+            result = session.result(blk.result) if blk.error is None else repr(blk.error)
+    svc.release(5)
+    end = time.monotonic() + 10
+    while any(svc.held().values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    return {**out, "result": _plain(result), "stats": dict(svc.stats), "held": svc.held()}
+
+
+def _serve_points(case: str, tmp_path: Any) -> list[dict[str, Any]]:
+    return _run(functools.partial(_serve_points_run, case, tmp_path / "flag"), 2, tmp_path)
+
+
+def test_a_parked_pull_whose_value_was_produced_resumes_at_the_non_blocking_point(tmp_path):
+    r0, r1 = _serve_points("produced", tmp_path)
+    assert r0["parked"] == 1
+    assert r0["after_poll"] == (0, True)  # resumed inside the forward, not at the next step
+    assert torch.equal(_tensor(r0["result"]), B * 2) and torch.equal(_tensor(r1["result"]), B * 2)
+    assert r0["stats"]["pulls"] == 1
+    for r in (r0, r1):
+        assert all(v == 0 for v in r["held"].values()), r["held"]
+
+
+def test_a_parked_pull_whose_value_is_not_produced_waits_for_the_blocking_point(tmp_path):
+    r0, r1 = _serve_points("late", tmp_path)
+    assert r0["after_poll"] == (1, False)  # not answered yet: still parked, the forward goes on
+    assert r0["after_serve"] == (0, True)  # the blocking point waited for stage 1
+    assert torch.equal(_tensor(r0["result"]), B * 2)
+    assert r0["stats"]["pulls"] == 1
+    for r in (r0, r1):
+        assert all(v == 0 for v in r["held"].values()), r["held"]
+
+
+def test_a_forgotten_blocks_pull_in_flight_is_cancelled_at_its_owner(tmp_path):
+    r0, r1 = _serve_points("forgotten", tmp_path)
+    assert r0["after_poll"] == r0["after_serve"] == (0, False)
+    assert r1["stats"]["cancels"] == 1  # the owner dropped the waiting pull, answered nobody
+    assert r1["stats"]["served"] == 0
+    for r in (r0, r1):
+        assert all(v == 0 for v in r["held"].values()), r["held"]

@@ -7,8 +7,10 @@ The worker of each rank runs every request's block. Its interleaver gets three h
 * ``publish``: after the blocks at a visit of a location this stage owns were served, each waiting
   request's rows of the value go into the pull buffer (only locations some block waited on);
 * ``on_pull``: ``await lazy`` resumes at once when the value can be pulled now (its owner is
-  upstream, or it belongs to an earlier round), else the block parks until the next serve point
-  outside the forward (:meth:`StageSession.serve`), where the pull waits for the owner.
+  upstream, or it belongs to an earlier round), else the block parks and its pulls are sent to the
+  owners at once. It resumes at a non-blocking serve point (:meth:`StageSession.poll`: after the
+  stage's forward, before logits and samples) once every pull was answered, or at a blocking one
+  outside the forward (:meth:`StageSession.serve`: before a step, at collection), which waits.
 
 The session is also the :class:`Resolver` that forcing a lazy value asks.
 """
@@ -30,6 +32,19 @@ def tag_of(round_: int, call: int) -> int:
     return round_ * TAG_CALLS + call
 
 
+class _Parked:
+    """A block parked on ``await`` of a lazy value, with the pulls sent for its remote values."""
+
+    __slots__ = ("block", "lazy", "handles")
+
+    def __init__(self, block: Block, lazy: LazyValue, handles: list[tuple[RemoteValue, Any]]):
+        self.block, self.lazy, self.handles = block, lazy, handles
+
+    def cancel(self, service: Any) -> None:
+        for _, handle in self.handles:
+            service.cancel(handle)
+
+
 class StageSession(Resolver):
     """Hooks and serve points of one stage; ``req_of(block)`` is the block's request number."""
 
@@ -40,7 +55,7 @@ class StageSession(Resolver):
         self._stage = stage
         self.service = service
         self.req_of = req_of
-        self.parked: list[tuple[Block, LazyValue]] = []
+        self.parked: list[_Parked] = []
         self.outside = False  # at a serve point outside the forward: any produced value may be pulled
         kernel.intercept = self.intercept
         kernel.publish = self.publish
@@ -100,39 +115,88 @@ class StageSession(Resolver):
                 return lazy.force()
             except Exception as err:
                 return _Throw(err)
-        self.parked.append((block, lazy))
+        try:
+            handles = self._request(lazy)
+        except Exception as err:  # the pull cannot be made at all: raised at the block's await
+            return _Throw(err)
+        self.parked.append(_Parked(block, lazy, handles))
         return PARKED
+
+    def _request(self, lazy: LazyValue) -> list[tuple[RemoteValue, Any]]:
+        """Send the pulls of every remote value ``lazy`` still needs to their owners now; the
+        owners answer once they produced them."""
+        handles: list[tuple[RemoteValue, Any]] = []
+        seen: set[int] = set()
+        try:
+            for leaf in lazy.leaves():
+                if leaf._value is not _UNSET or id(leaf) in seen:
+                    continue
+                seen.add(id(leaf))
+                owner, req, key, tag, where = self._address(leaf)
+                handles.append((leaf, self.service.request(owner, req, key, tag, where=where)))
+        except Exception:
+            for _, handle in handles:
+                self.service.cancel(handle)
+            raise
+        return handles
 
     # --- serve points ----------------------------------------------------------------------------
 
+    def poll(self) -> None:
+        """A non-blocking serve point (after this stage's forward, before logits and samples are
+        offered): resume the parked blocks whose every pull has been answered (their owners
+        produced the values); the others stay parked. Resumed code runs under the forward's rules."""
+        ready = [p for p in self.parked if all(h.answered() for _, h in p.handles)]
+        if not ready:
+            return
+        done = {id(p) for p in ready}
+        self.parked = [p for p in self.parked if id(p) not in done]
+        self._resume(ready)
+
     def serve(self, blocks: list[Block] | None = None) -> None:
-        """A serve point outside the forward: resolve parked pulls (of these blocks, or all), each
-        waiting for its owner to produce the value, and resume their blocks."""
+        """A blocking serve point outside the forward: resolve parked pulls (of these blocks, or
+        all), each waiting for its owner to produce the value, and resume their blocks."""
         if not self.parked:
             return
         mine = None if blocks is None else {id(b) for b in blocks}
         keep, due = [], []
         for entry in self.parked:
-            (due if mine is None or id(entry[0]) in mine else keep).append(entry)
+            (due if mine is None or id(entry.block) in mine else keep).append(entry)
         self.parked = keep
-        kernel = self.kernel
         self.outside = True
         try:
-            for block, lazy in due:
-                if block.done:
-                    continue
-                try:
-                    value = lazy.force()
-                except Exception as err:
-                    kernel.wake(block, _Throw(err))
-                else:
-                    kernel.wake(block, value)
-            kernel.serve()
+            self._resume(due)
         finally:
             self.outside = False
 
+    def _resume(self, entries: list[_Parked]) -> None:
+        kernel = self.kernel
+        service = self.service
+        for entry in entries:
+            block = entry.block
+            if block.done:
+                entry.cancel(service)
+                continue
+            try:
+                for leaf, handle in entry.handles:
+                    leaf.set_value(service.wait(handle))
+                value = entry.lazy.force()
+            except Exception as err:
+                entry.cancel(service)
+                kernel.wake(block, _Throw(err))
+            else:
+                kernel.wake(block, value)
+        kernel.serve()
+
     def forget(self, block: Block) -> None:
-        self.parked = [e for e in self.parked if e[0] is not block]
+        """Drop the block's parked pulls; those still in flight are cancelled at their owners."""
+        keep = []
+        for entry in self.parked:
+            if entry.block is block:
+                entry.cancel(self.service)
+            else:
+                keep.append(entry)
+        self.parked = keep
 
     # --- Resolver --------------------------------------------------------------------------------
 
@@ -146,8 +210,13 @@ class StageSession(Resolver):
         return current is not None and leaf.round < current.req_step
 
     def fetch(self, leaf: RemoteValue) -> Any:
+        owner, req, key, tag, where = self._address(leaf)
+        return self.service.pull(owner, req, key, tag, where=where)
+
+    @staticmethod
+    def _address(leaf: RemoteValue) -> tuple[int, int, int, int, str]:
         where = f"{leaf.where} (request {leaf.req}, round {leaf.round})"
-        return self.service.pull(leaf.owner, leaf.req, leaf.key, leaf.tag, where=where)
+        return leaf.owner, leaf.req, leaf.key, leaf.tag, where
 
     # --- results ---------------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from ..kernel.errors import AsyncppError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PullError", "PullTimeout", "PullService"]
+__all__ = ["PullError", "PullTimeout", "PullService", "PullHandle"]
 
 
 class PullError(AsyncppError, RuntimeError):
@@ -161,6 +161,36 @@ class _Slot:
         self.header: list[int] | None = None
         self.body: torch.Tensor | None = None
         self.error: str | None = None
+
+
+class PullHandle:
+    """A pull in flight, made by :meth:`PullService.request`."""
+
+    __slots__ = ("service", "owner", "req", "key", "tag", "where", "ticket", "slot", "collected")
+
+    def __init__(
+        self,
+        service: PullService,
+        owner: int,
+        req: int,
+        key: int,
+        tag: int,
+        where: str,
+        ticket: int,
+        slot: _Slot | None,
+    ) -> None:
+        self.service = service
+        self.owner, self.req, self.key, self.tag, self.where = owner, req, key, tag, where
+        self.ticket = ticket
+        self.slot = slot  # None: a pull from this rank itself
+        self.collected = False  # waited on or cancelled
+
+    def answered(self) -> bool:
+        """Whether waiting on it now returns at once: the owner answered (with the value or an
+        error), or the pull already failed."""
+        if self.slot is None:
+            return self.service._local_done(self.req, self.key, self.tag)
+        return self.slot.event.is_set()
 
 
 @dataclass
@@ -567,11 +597,19 @@ class PullService:
         """Blocking: the value ``owner`` published under (req, key, tag), with its true dtype(s), shape(s)
         and tuple/list structure, as CPU tensors private to the caller.  If it is not published yet the
         owner answers when it is.  Errors raise PullError naming ``where`` and the owner; the deadline
-        raises PullTimeout naming ``where``, the owner and the seconds waited."""
+        raises PullTimeout naming ``where``, the owner and the seconds waited.  The same as
+        ``wait(request(...))``."""
+        return self.wait(self.request(owner, req, key, tag, where=where))
+
+    def request(self, owner: int, req: int, key: int, tag: int, *, where: str) -> PullHandle:
+        """Non-blocking: send the pull of (req, key, tag) to ``owner`` now and return its handle, to
+        check with ``handle.answered()``, collect with :meth:`wait` or give up with :meth:`cancel`.
+        Raises PullError at once when the pull cannot be made (closed or broken service, closed
+        owner)."""
         if not 0 <= owner < self.world:
             raise PullError(f"pull of {where}: stage {owner} is outside a pipeline of {self.world}")
         if owner == self.rank:
-            return self._pull_local(req, key, tag, where)
+            return PullHandle(self, owner, req, key, tag, where, 0, None)
         with self._lock:
             trouble = self._trouble(owner)
             if trouble is None:
@@ -586,6 +624,18 @@ class PullService:
             self._fail_slot(ticket, f"could not send the pull: {exc}")
 
         self._post(_Out(owner, _header(_PULL, self.rank, req, key, tag, ticket), on_fail=on_fail))
+        return PullHandle(self, owner, req, key, tag, where, ticket, slot)
+
+    def wait(self, handle: PullHandle) -> Any:
+        """Blocking: the value of a pull made with :meth:`request` (errors and the deadline, counted
+        from this call, as for :meth:`pull`).  A handle is waited on once."""
+        owner, where = handle.owner, handle.where
+        if handle.collected:
+            raise PullError(f"pull of {where} from stage {owner}: its handle was already used")
+        handle.collected = True
+        if handle.slot is None:
+            return self._pull_local(handle.req, handle.key, handle.tag, where)
+        slot, ticket = handle.slot, handle.ticket
         start = time.monotonic()
         answered = slot.event.wait(self.deadline_s)
         if not answered:
@@ -594,11 +644,13 @@ class PullService:
                 if gave_up:
                     self.stats["timeouts"] += 1
             if gave_up:
-                self._post(_Out(owner, _header(_CANCEL, self.rank, req, key, tag, ticket)))
+                self._post(
+                    _Out(owner, _header(_CANCEL, self.rank, handle.req, handle.key, handle.tag, ticket))
+                )
                 waited = time.monotonic() - start
                 raise PullTimeout(
                     f"pull of {where} from stage {owner} timed out after {waited:.1f} s "
-                    f"(request {req}, key {key}, tag {tag}): the owner never produced it"
+                    f"(request {handle.req}, key {handle.key}, tag {handle.tag}): the owner never produced it"
                 )
             # answered while we were giving up: the slot is filled, use it
         if slot.error is not None:
@@ -609,6 +661,24 @@ class PullService:
             raise PullError(f"pull of {where} from stage {owner} failed: {_message(slot.body)}")
         assert slot.body is not None
         return _decode(h[_H_DTYPE], h[_H_META], h[_H_PAYLOAD], slot.body)
+
+    def cancel(self, handle: PullHandle) -> None:
+        """Give up a pull that will not be waited on: the owner drops it if it is still waiting there
+        (a reply already on its way is dropped on arrival).  Idempotent."""
+        if handle.collected:
+            return
+        handle.collected = True
+        if handle.slot is None:
+            return
+        with self._lock:
+            open_ = self._slots.pop(handle.ticket, None) is not None
+        if open_:
+            self._post(
+                _Out(
+                    handle.owner,
+                    _header(_CANCEL, self.rank, handle.req, handle.key, handle.tag, handle.ticket),
+                )
+            )
 
     def _trouble(self, owner: int) -> str | None:
         """Why a pull from ``owner`` cannot be made now (lock held), or None."""
@@ -621,6 +691,11 @@ class PullService:
         if owner in self._byes_in:
             return f"stage {owner} has closed its pull service"
         return None
+
+    def _local_done(self, req: int, key: int, tag: int) -> bool:
+        """Whether a pull from this rank itself would return (or fail) at once."""
+        with self._lock:
+            return (key, tag) in self._values.get(req, {}) or req in self._ended or self._closed
 
     def _pull_local(self, req: int, key: int, tag: int, where: str) -> Any:
         """The owner pulling from itself: wait (on a condition, not the wire) until it is published."""

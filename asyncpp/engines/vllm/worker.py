@@ -119,6 +119,25 @@ class WorkerSession:
         self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
+        if self.stage is not None:
+            self._serve_points(model, runner.sampler, modules)
+
+    def _serve_points(self, model: Any, sampler: Any, modules: list[Any]) -> None:
+        """The non-blocking serve points: after the stage's forward (the root's forward hook,
+        after its output was served) and before the logits and the samples are offered (pre-hooks
+        on the logits processor and the sampler, which run on the last stage only). With nothing
+        parked each costs one check."""
+        stage = self.stage
+
+        def serve_point(*_: Any) -> None:
+            if stage.parked:
+                stage.poll()
+
+        model.register_forward_hook(serve_point)
+        logits = modules[self.paths.index("logits_processor")] if "logits_processor" in self.paths else None
+        for module in (logits, sampler):
+            if module is not None:
+                module.register_forward_pre_hook(serve_point)
 
     def tree_entries(self, local: bool = False) -> list[list[str]]:
         if local and self.local_tree is not None:
