@@ -155,11 +155,15 @@ def test_every_stage_has_the_one_stage_tree(one_stage, two_stages):
     check_full_tree_on_every_stage(one_stage, two_stages, 2)
 
 
-def test_stage_local_write(one_stage, two_stages):
-    a, b = run(one_stage, local_write).result, run(two_stages, local_write).result
+def check_stage_local_write(one, split) -> None:
+    a, b = run(one, local_write).result, run(split, local_write).result
     same_logits(a, b)
-    plain = run(two_stages, read_logits_and_hidden).result["logits"]
+    plain = run(split, read_logits_and_hidden).result["logits"]
     assert not torch.allclose(plain, b)  # the write changed the logits
+
+
+def test_stage_local_write(one_stage, two_stages):
+    check_stage_local_write(one_stage, two_stages)
 
 
 def test_cross_stage_read_modify_write(one_stage, two_stages):
@@ -187,25 +191,30 @@ def test_generation_with_a_cross_stage_write_every_step(one_stage, two_stages):
     assert [int(t) for t in a.result] == [int(t) for t in b.result] == a.tokens[0].tolist()
 
 
-def test_concurrent_invokes_of_different_lengths(one_stage, two_stages):
+def check_concurrent_invokes_of_different_lengths(one, split) -> None:
+    """Two concurrent traces with prompts of different lengths keep their values apart."""
     prompts = ["Hi", "A much longer prompt than the other one"]
 
     async def both(engine):
-        async def one(p):
+        async def one_trace(p):
             async with asyncpp.trace(engine) as t:
                 h = t.invoke(p, read_logits_and_hidden)
             return h.result
 
-        return await asyncio.gather(*(one(p) for p in prompts))
+        return await asyncio.gather(*(one_trace(p) for p in prompts))
 
-    ref = asyncio.run(both(one_stage))
-    got = asyncio.run(both(two_stages))
+    ref = asyncio.run(both(one))
+    got = asyncio.run(both(split))
     for a, b in zip(ref, got, strict=True):
         for k in ("early", "late"):
             assert a[k].shape == b[k].shape
             same(a[k], b[k])
         same_logits(a["logits"], b["logits"])
     assert got[0]["early"].shape[0] != got[1]["early"].shape[0]
+
+
+def test_concurrent_invokes_of_different_lengths(one_stage, two_stages):
+    check_concurrent_invokes_of_different_lengths(one_stage, two_stages)
 
 
 def test_sync_use_of_a_downstream_value_says_to_await(two_stages):

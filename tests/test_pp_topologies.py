@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_pp_engine import (
+    check_concurrent_invokes_of_different_lengths,
     check_full_tree_on_every_stage,
+    check_stage_local_write,
     cross_stage_rmw,
     generate_with_cross_stage_write,
     read_logits_and_hidden,
@@ -65,6 +67,16 @@ class TestThreeStages:
         same(a["late"], b["late"])
         same_logits(a["logits"], b["logits"])
 
+    def test_stage_local_write(self, engines):
+        check_stage_local_write(*engines)
+
+    def test_cross_stage_read_modify_write(self, engines):
+        one, three = engines
+        same_logits(run(one, cross_stage_rmw).result, run(three, cross_stage_rmw).result)
+
+    def test_concurrent_invokes_of_different_lengths(self, engines):
+        check_concurrent_invokes_of_different_lengths(*engines)
+
     def test_last_stage_write_from_first_stage_value(self, engines):
         one, three = engines
         a, b = run(one, last_from_first).result, run(three, last_from_first).result
@@ -96,9 +108,15 @@ class TestTensorAndPipeline:
         same(a["late"], b["late"])
         same_logits(a["logits"], b["logits"])
 
+    def test_stage_local_write(self, engines):
+        check_stage_local_write(*engines)
+
     def test_cross_stage_read_modify_write(self, engines):
         tp, both = engines
         same_logits(run(tp, cross_stage_rmw).result, run(both, cross_stage_rmw).result)
+
+    def test_concurrent_invokes_of_different_lengths(self, engines):
+        check_concurrent_invokes_of_different_lengths(*engines)
 
     def test_generation_with_a_cross_stage_write_every_step(self, engines):
         tp, both = engines
