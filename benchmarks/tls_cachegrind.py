@@ -5,13 +5,14 @@ microseconds on a 2 ms trace on this VM. Valgrind's callgrind counts instead: in
 and misses of its simulated caches (32 KiB L1 instruction and data caches, a large last level).
 Two processes differ by themselves (the hash seed and the heap layout decide which Python
 type-cache entries and cache sets collide: thousands of instructions per trace), so one process
-under callgrind (``PYTHONHASHSEED=0``) runs both modes, in phases: on, off, off, on (``--cycles`` times), ``--traces`` forward traces each of a block that
-reads every layer's output (10 switches per trace), after one untimed trace. Instrumentation is on
-only during a phase's traces (``callgrind_control -i on`` / ``-i off``) and each phase is dumped
+under callgrind (`PYTHONHASHSEED=0`) runs both modes, in phases: on, off, off, on (`--cycles`
+times), `--traces` forward traces each of a block that reads every layer's output (10 switches
+per trace), after one untimed trace. Instrumentation is on
+only during a phase's traces (`callgrind_control -i on` / `-i off`) and each phase is dumped
 on its own; per mode, the median of its phases, per trace.
 
 Printed per trace: the totals' difference (on - off), and the part inside the swap's own functions
-(``fingerprint``, ``enter_impl``, ``leave_impl``, ``state_fork``, ``state_dealloc``) in the on phases.
+(`fingerprint`, `enter_impl`, `leave_impl`, `state_fork`, `state_dealloc`) in the on phases.
 The part inside the swap is what it does itself, and repeats exactly from run to run. The totals
 of a phase move by far more than that from phase to phase within one process, with or without
 the swap (the spread is shown): the MKL matrix kernels, most of a trace's instructions, take
@@ -175,6 +176,9 @@ def main() -> int:
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind (callgrind) is not installed: nothing to measure")
         return 1
+    import torch
+
+    torch.set_num_threads(1)  # as in the measured process
     info = bench_common.machine_info()
     t0 = time.perf_counter()
     phases = ["on", "off", "off", "on"] * args.cycles  # ABBA: drifts over the run cancel
