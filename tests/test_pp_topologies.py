@@ -52,17 +52,19 @@ def engine_pair(first: dict, second: dict):
     a.close()
 
 
-class TestThreeStages:
-    @pytest.fixture(scope="class")
-    def engines(self):
-        yield from engine_pair({}, {"pipeline_parallel_size": 3})
+class SplitAgainstReference:
+    """The comparisons every split topology runs against its reference engine; a subclass gives
+    the class-scoped ``engines`` fixture (reference, split), ``ranks`` and ``new_tokens``."""
 
-    def test_every_stage_has_the_one_stage_tree(self, engines):
-        check_full_tree_on_every_stage(*engines, 3)
+    ranks: int
+    new_tokens: int
+
+    def test_every_rank_has_the_reference_tree(self, engines):
+        check_full_tree_on_every_stage(*engines, self.ranks)
 
     def test_logits_and_hidden_states(self, engines):
-        one, three = engines
-        a, b = run(one, read_logits_and_hidden).result, run(three, read_logits_and_hidden).result
+        ref, split = engines
+        a, b = run(ref, read_logits_and_hidden).result, run(split, read_logits_and_hidden).result
         same(a["early"], b["early"])
         same(a["late"], b["late"])
         same_logits(a["logits"], b["logits"])
@@ -71,11 +73,25 @@ class TestThreeStages:
         check_stage_local_write(*engines)
 
     def test_cross_stage_read_modify_write(self, engines):
-        one, three = engines
-        same_logits(run(one, cross_stage_rmw).result, run(three, cross_stage_rmw).result)
+        ref, split = engines
+        same_logits(run(ref, cross_stage_rmw).result, run(split, cross_stage_rmw).result)
 
     def test_concurrent_invokes_of_different_lengths(self, engines):
         check_concurrent_invokes_of_different_lengths(*engines)
+
+    def test_generation_with_a_cross_stage_write_every_step(self, engines):
+        ref, split = engines
+        a = run(ref, generate_with_cross_stage_write, max_new_tokens=self.new_tokens)
+        b = run(split, generate_with_cross_stage_write, max_new_tokens=self.new_tokens)
+        assert a.tokens.tolist() == b.tokens.tolist()
+
+
+class TestThreeStages(SplitAgainstReference):
+    ranks, new_tokens = 3, 6
+
+    @pytest.fixture(scope="class")
+    def engines(self):
+        yield from engine_pair({}, {"pipeline_parallel_size": 3})
 
     def test_last_stage_write_from_first_stage_value(self, engines):
         one, three = engines
@@ -84,42 +100,12 @@ class TestThreeStages:
         plain = run(one, read_logits_and_hidden).result["logits"]
         assert not torch.allclose(plain, a)
 
-    def test_generation_with_a_cross_stage_write_every_step(self, engines):
-        one, three = engines
-        a = run(one, generate_with_cross_stage_write, max_new_tokens=6)
-        b = run(three, generate_with_cross_stage_write, max_new_tokens=6)
-        assert a.tokens.tolist() == b.tokens.tolist()
 
+class TestTensorAndPipeline(SplitAgainstReference):
+    ranks, new_tokens = 4, 5
 
-class TestTensorAndPipeline:
     @pytest.fixture(scope="class")
     def engines(self):
         yield from engine_pair(
             {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
         )
-
-    def test_every_rank_has_the_tensor_parallel_tree(self, engines):
-        check_full_tree_on_every_stage(*engines, 4)
-
-    def test_logits_and_hidden_states(self, engines):
-        tp, both = engines
-        a, b = run(tp, read_logits_and_hidden).result, run(both, read_logits_and_hidden).result
-        same(a["early"], b["early"])
-        same(a["late"], b["late"])
-        same_logits(a["logits"], b["logits"])
-
-    def test_stage_local_write(self, engines):
-        check_stage_local_write(*engines)
-
-    def test_cross_stage_read_modify_write(self, engines):
-        tp, both = engines
-        same_logits(run(tp, cross_stage_rmw).result, run(both, cross_stage_rmw).result)
-
-    def test_concurrent_invokes_of_different_lengths(self, engines):
-        check_concurrent_invokes_of_different_lengths(*engines)
-
-    def test_generation_with_a_cross_stage_write_every_step(self, engines):
-        tp, both = engines
-        a = run(tp, generate_with_cross_stage_write, max_new_tokens=5)
-        b = run(both, generate_with_cross_stage_write, max_new_tokens=5)
-        assert a.tokens.tolist() == b.tokens.tolist()

@@ -644,9 +644,7 @@ class PullService:
                 if gave_up:
                     self.stats["timeouts"] += 1
             if gave_up:
-                self._post(
-                    _Out(owner, _header(_CANCEL, self.rank, handle.req, handle.key, handle.tag, ticket))
-                )
+                self._send_cancel(handle)
                 waited = time.monotonic() - start
                 raise PullTimeout(
                     f"pull of {where} from stage {owner} timed out after {waited:.1f} s "
@@ -673,12 +671,13 @@ class PullService:
         with self._lock:
             open_ = self._slots.pop(handle.ticket, None) is not None
         if open_:
-            self._post(
-                _Out(
-                    handle.owner,
-                    _header(_CANCEL, self.rank, handle.req, handle.key, handle.tag, handle.ticket),
-                )
-            )
+            self._send_cancel(handle)
+
+    def _send_cancel(self, handle: PullHandle) -> None:
+        """Tell the owner to drop a pull this rank gave up on."""
+        self._post(
+            _Out(handle.owner, _header(_CANCEL, self.rank, handle.req, handle.key, handle.tag, handle.ticket))
+        )
 
     def _trouble(self, owner: int) -> str | None:
         """Why a pull from ``owner`` cannot be made now (lock held), or None."""
