@@ -13,6 +13,15 @@ void register_tls(pybind11::module_& m);
 int tls_enter(PyObject* state);
 int tls_leave(PyObject* state);
 
+// The calling thread's autocast fields in torch, to read in place (autocast_tls.cpp); all null
+// where they cannot be located, and then torch's getters are the way to read them.
+struct AutocastFields {
+  const bool* cache = nullptr;
+  const at::ScalarType* dtype = nullptr;  // per device type
+  const int* nesting = nullptr;
+};
+AutocastFields autocast_fields_here();
+
 // Per-module controllers that shadow each module's forward during a run (controller.cpp).
 void register_controllers(pybind11::module_& m);
 

@@ -26,9 +26,11 @@
 #include <memory>
 #include <optional>
 
+#include <pthread.h>
+
 namespace {
 
-constexpr size_t kWords = 11;  // see fingerprint()
+constexpr size_t kWords = 15;  // see fingerprint()
 using Fingerprint = std::array<uint64_t, kWords>;
 
 int autocast_nesting() {
@@ -76,21 +78,56 @@ struct DmInfra {
       c10::impl::TorchDispatchModeTLS::*;
   friend type member(DmInfra);
 };
+struct PyData {
+  using type = PyObject* c10::SafePyObject::*;
+  friend type member(PyData);
+};
 template struct Expose<TfStack, &at::impl::PythonTorchFunctionTLS::stack_>;
+template struct Expose<PyData, &c10::SafePyObject::data_>;
 template struct Expose<TfDisabled, &at::impl::PythonTorchFunctionTLS::disabled_state_>;
 template struct Expose<DmStack, &c10::impl::TorchDispatchModeTLS::stack_>;
 template struct Expose<DmInfra, &c10::impl::TorchDispatchModeTLS::infra_modes_>;
 
-// Where this thread keeps the state objects torch hands out by reference: cached once per thread,
-// so a fingerprint reads them directly instead of calling into torch for each (after a forward the
-// caches are cold, and every call into another library is a miss or two).
+// Where a thread keeps the state objects torch hands out by reference, so a fingerprint reads them
+// directly instead of calling into torch for each (after a forward the caches are cold, and every
+// call into another library is a miss or two). Each BlockState keeps the set of the thread it last
+// ran on, checked by thread id: a thread_local here would cost a __tls_get_addr call per switch,
+// since this library is loaded with dlopen.
+inline uintptr_t thread_id() {
+#if defined(__x86_64__) && __has_builtin(__builtin_thread_pointer)
+  return reinterpret_cast<uintptr_t>(__builtin_thread_pointer());  // one register read, no call
+#else
+  return static_cast<uintptr_t>(pthread_self());
+#endif
+}
+
 struct Sources {
-  const c10::impl::PODLocalDispatchKeySet* keys = &c10::impl::raw_local_dispatch_key_set;
-  const c10::AutogradState* autograd = &c10::AutogradState::get_tls_state();
-  const at::impl::SavedTensorDefaultHooksTLS* hooks = &at::SavedTensorDefaultHooks::get_tls_state();
-  const at::impl::PythonTorchFunctionTLS* tf = &at::impl::PythonTorchFunctionTLS::get_state();
-  const c10::impl::TorchDispatchModeTLS* dm = &c10::impl::TorchDispatchModeTLS::get_state();
-  const at::RecordFunctionTLS* rf = &at::get_record_function_tls_();
+  uintptr_t thread = 0;
+  const c10::impl::PODLocalDispatchKeySet* keys = nullptr;
+  const c10::AutogradState* autograd = nullptr;
+  const at::impl::SavedTensorDefaultHooksTLS* hooks = nullptr;
+  const at::impl::PythonTorchFunctionTLS* tf = nullptr;
+  const c10::impl::TorchDispatchModeTLS* dm = nullptr;
+  const at::RecordFunctionTLS* rf = nullptr;
+  asyncpp::AutocastFields autocast;  // null where torch's getters must be called instead
+
+  // the calling thread's
+  static Sources here() {
+    Sources s;
+    s.thread = thread_id();
+    s.keys = &c10::impl::raw_local_dispatch_key_set;
+    s.autograd = &c10::AutogradState::get_tls_state();
+    s.hooks = &at::SavedTensorDefaultHooks::get_tls_state();
+    s.tf = &at::impl::PythonTorchFunctionTLS::get_state();
+    s.dm = &c10::impl::TorchDispatchModeTLS::get_state();
+    s.rf = &at::get_record_function_tls_();
+    s.autocast = asyncpp::autocast_fields_here();
+    return s;
+  }
+  // make these the calling thread's, if they are not
+  __attribute__((hot)) void ensure_here() {
+    if (__builtin_expect(thread != thread_id() || keys == nullptr, 0)) *this = here();
+  }
 };
 
 const uint64_t kPythonDispatcherKey = c10::DispatchKeySet(c10::DispatchKey::PythonDispatcher).raw_repr();
@@ -98,43 +135,63 @@ const uint64_t kPythonDispatcherKey = c10::DispatchKeySet(c10::DispatchKey::Pyth
 // Without CUDA, the CUDA autocast dtype cannot change what anything computes.
 const bool kWatchCudaDtype = at::hasCUDA();
 
-Fingerprint fingerprint() {
-  thread_local const Sources src;
+__attribute__((hot)) Fingerprint fingerprint(const Sources& src) {
   Fingerprint f{};
   f[0] = src.keys->included_;  // raw (stored xor the default set): equal sets, equal words
   f[1] = src.keys->excluded_;
   const c10::AutogradState& ag = *src.autograd;
+  uint64_t cache, cpu_dtype, cuda_dtype = 0, nesting;
+  if (const asyncpp::AutocastFields& ac = src.autocast; __builtin_expect(ac.cache != nullptr, 1)) {
+    cache = *ac.cache;
+    cpu_dtype = static_cast<int>(ac.dtype[static_cast<int>(at::kCPU)]);
+    if (kWatchCudaDtype) cuda_dtype = static_cast<int>(ac.dtype[static_cast<int>(at::kCUDA)]);
+    nesting = static_cast<uint32_t>(*ac.nesting);
+  } else {
+    cache = at::autocast::is_autocast_cache_enabled();
+    cpu_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU));
+    if (kWatchCudaDtype) cuda_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA));
+    nesting = static_cast<uint32_t>(autocast_nesting());
+  }
   f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
          ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
-         ((uint64_t)ag.get_view_replay_enabled() << 4) |
-         ((uint64_t)at::autocast::is_autocast_cache_enabled() << 5);
-  f[3] = (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU)) |
-         (kWatchCudaDtype ? (uint64_t)static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA)) << 16 : 0) |
-         ((uint64_t)static_cast<uint32_t>(autocast_nesting()) << 32);
+         ((uint64_t)ag.get_view_replay_enabled() << 4) | (cache << 5);
+  f[3] = cpu_dtype | (cuda_dtype << 16) | (nesting << 32);
   const auto& tf_stack = src.tf->*member(TfStack{});
   f[4] = (uint64_t)tf_stack.size() | ((uint64_t)static_cast<int>(src.tf->*member(TfDisabled{})) << 48);
   f[5] = tf_stack.empty() ? 0 : ptr_bits(tf_stack.back().get());
-  // the infra modes (fake tensor, proxy, functional) sit outside the stack: any set one counts
+  // Objects are told apart by address. An address can name another object only after the first
+  // is freed, and every address in a block's fingerprint stays taken while the block lives: its
+  // captured state holds a reference to each (the mode wrappers, the hook functions).
   const auto& dm_stack = src.dm->*member(DmStack{});
-  uint64_t infra = 0;
-  for (const auto& mode : src.dm->*member(DmInfra{})) infra = infra * 2 + mode.has_value();
-  f[6] = (uint64_t)dm_stack.size() | (infra << 32);
+  f[6] = (uint64_t)dm_stack.size();
   f[7] = dm_stack.empty() ? 0 : ptr_bits(dm_stack.back().get());
+  // the infra modes (fake tensor, proxy, functional) sit outside the stack
+  const auto& infra = src.dm->*member(DmInfra{});
+  static_assert(std::tuple_size_v<std::decay_t<decltype(infra)>> == 3, "fingerprint words 12-14");
+  for (size_t i = 0; i < 3; i++) f[12 + i] = infra[i].has_value() ? ptr_bits(infra[i]->get()) | 1 : 0;
   // the python dispatcher's key is in the included set exactly while it is on: a complex part
   f[8] = f[0] & kPythonDispatcherKey;
+  // saved-tensor hooks: the depth, and the pack and unpack functions on top (their Python objects;
+  // an entry's own address is reused when one context replaces another at the same depth)
   const auto& hooks = src.hooks->stack;
   f[9] = hooks.size() | ((uint64_t)!src.hooks->disabled_error_message.has_value() << 48) |
          ((uint64_t)src.hooks->is_tracing << 50) | ((uint64_t)!src.rf->sorted_tls_callbacks_.empty() << 49) |
          ((uint64_t)src.rf->tls_record_function_enabled_ << 51);
-  f[10] = hooks.empty() ? 0 : ptr_bits(&hooks.top());
+  f[10] = hooks.empty() ? 0 : ptr_bits(hooks.top().first.*member(PyData{}));
+  f[11] = hooks.empty() ? 0 : ptr_bits(hooks.top().second.*member(PyData{}));
   // c10::ThreadLocalDebugInfo is left out: reading it copies a shared_ptr (atomics) at every
   // switch, and only C++ code (profilers) sets it; a full capture still carries it.
   return f;
 }
 
-bool same_complex(const Fingerprint& a, const Fingerprint& b) {
-  return std::equal(a.begin() + kSimpleWords, a.end(), b.begin() + kSimpleWords);
+// word by word, without a call to memcmp (one more function, and its cache lines, per switch)
+inline bool same_words(const Fingerprint& a, const Fingerprint& b, size_t from = 0) {
+  uint64_t d = 0;
+  for (size_t i = from; i < kWords; i++) d |= a[i] ^ b[i];
+  return d == 0;
 }
+
+bool same_complex(const Fingerprint& a, const Fingerprint& b) { return same_words(a, b, kSimpleWords); }
 
 // The simple part of the state, captured and applied field by field (tens of nanoseconds).
 // Parts of the simple state, as a mask: a switch copies and sets only the parts that differ (each
@@ -203,9 +260,12 @@ struct BlockState {
   bool unverified = false;
   uint64_t slow_entries = 0;  // for the benchmark: entries that had to install another state
   uint64_t captures = 0;      // leaves where the block had changed its state
+  Sources src;                // where the thread it last ran on keeps its state
 
-  BlockState() : state(std::make_shared<const at::ThreadLocalState>()), simple(), fp(fingerprint()) {}
-  BlockState(const BlockState& t) : state(t.state), simple(t.simple), fp(t.fp) {}
+  BlockState() : state(std::make_shared<const at::ThreadLocalState>()), simple(), src(Sources::here()) {
+    fp = fingerprint(src);
+  }
+  BlockState(const BlockState& t) : state(t.state), simple(t.simple), fp(t.fp), src(t.src) {}
 };
 
 // In-trace timing for the benchmark (benchmarks/tls_switch.py): when on, the time spent inside the
@@ -215,6 +275,7 @@ struct Timing {
   uint64_t ns = 0, switches = 0, per_block_ns = 0;
 };
 thread_local Timing timing;
+bool timing_any = false;  // some thread has timing on: checked first, a plain load (no TLS lookup)
 
 uint64_t clock_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -223,8 +284,8 @@ uint64_t clock_ns() {
 }
 
 template <typename F>
-void timed(bool is_switch, F&& body) {
-  if (!timing.on) return body();
+__attribute__((always_inline)) inline void timed(bool is_switch, F&& body) {
+  if (__builtin_expect(!timing_any, 1) || !timing.on) return body();
   const uint64_t t0 = clock_ns();
   body();  // an exception skips the sum; timings of failing switches do not matter
   const uint64_t dt = clock_ns() - t0;
@@ -234,19 +295,20 @@ void timed(bool is_switch, F&& body) {
 }
 
 // Switch into a block: install its state on the calling thread.
-void enter_impl(BlockState& b) {
+__attribute__((hot)) void enter_impl(BlockState& b) {
   TORCH_CHECK(!b.inside, "asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
   b.inside = true;
-  Fingerprint now = fingerprint();
+  b.src.ensure_here();
+  const Fingerprint now = fingerprint(b.src);
   if (b.unverified) {
     b.unverified = false;
-    if (now != b.fp) {  // the thread's state moved on since the template: start from the thread's
+    if (!same_words(now, b.fp)) {  // the thread's state moved on since the template: start from the thread's
       b.state = std::make_shared<const at::ThreadLocalState>();
       b.simple = Simple();
       b.fp = now;
     }
   }
-  if (now == b.fp) {
+  if (same_words(now, b.fp)) {
     b.entry = BlockState::Entry::fast;  // the thread already has the block's state
     return;
   }
@@ -266,11 +328,12 @@ void enter_impl(BlockState& b) {
 }
 
 // Switch out of a block: keep what it changed, give the thread back its state.
-void leave_impl(BlockState& b) {
+__attribute__((hot)) void leave_impl(BlockState& b) {
   TORCH_CHECK(b.inside, "asyncpp: a block was left without being entered");
   b.inside = false;
-  Fingerprint now = fingerprint();
-  const bool changed = now != b.fp;
+  b.src.ensure_here();
+  const Fingerprint now = fingerprint(b.src);
+  const bool changed = !same_words(now, b.fp);
   const bool complex_changed = changed && !same_complex(now, b.fp);
   if (b.entry != BlockState::Entry::fast) {
     const Fingerprint old_fp = b.fp;
@@ -404,7 +467,7 @@ BlockState* unwrap(PyObject* o) {
   return reinterpret_cast<PyBlockState*>(o)->impl;
 }
 
-PyObject* py_enter(PyObject*, PyObject* o) {
+__attribute__((hot)) PyObject* py_enter(PyObject*, PyObject* o) {
   BlockState* b = unwrap(o);
   if (!b) return nullptr;
   try {
@@ -416,7 +479,7 @@ PyObject* py_enter(PyObject*, PyObject* o) {
   Py_RETURN_NONE;
 }
 
-PyObject* py_leave(PyObject*, PyObject* o) {
+__attribute__((hot)) PyObject* py_leave(PyObject*, PyObject* o) {
   BlockState* b = unwrap(o);
   if (!b) return nullptr;
   try {
@@ -472,12 +535,17 @@ void asyncpp::register_tls(pybind11::module_& m) {
         auto was = pybind11::make_tuple(timing.ns, timing.switches, timing.per_block_ns);
         timing = Timing{};
         timing.on = on;
+        timing_any = on;
         return was;
       },
       "Benchmark probe: sum the time spent in the swap on this thread from now (on=True) or stop; "
       "returns the sums so far (ns, switches, ns of per-block work: fork and free) and resets them.");
+  m.def(
+      "autocast_in_place",
+      []() { return asyncpp::autocast_fields_here().cache != nullptr; },
+      "Whether the swap reads autocast's thread-local fields in place (else through torch's getters).");
   m.def("fingerprint", []() {
-    auto f = fingerprint();
+    auto f = fingerprint(Sources::here());
     return std::vector<uint64_t>(f.begin(), f.end());
   });
 }

@@ -6,6 +6,7 @@ off on the engine (the leak is observed), which proves the test would catch a mi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -334,3 +335,58 @@ def test_second_load_does_not_rebuild():
         "ninja" not in (res.stdout + res.stderr).lower()
         or "no work to do" in (res.stdout + res.stderr).lower()
     )
+
+
+def _saved_hooks_tag():
+    """The tag of the saved-tensor pack hook in force (None: no hooks)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top is None else getattr(top[0], "tag", "?")
+
+
+def _tagged_pack(tag: str):
+    def pack(t):
+        return t
+
+    pack.tag = tag
+    return pack
+
+
+def _unpack(t):
+    return t
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["bare", "under-hooks"])
+def test_context_replaced_at_the_same_depth_between_awaits_is_seen(outer):
+    """A block that leaves one context and enters another of the same kind between two awaits (the
+    stack is as deep as before, and the new entry may reuse the old one's memory) has the new one
+    after the next await, and the model sees neither; also when the run itself is under hooks."""
+    torch.manual_seed(0)
+    model = ProbeNet()
+    engine = _engine(model, True)
+    mode_a, mode_b = CountingMode(), CountingMode()
+
+    async def block(m):
+        seen = []
+        with torch.autograd.graph.saved_tensors_hooks(_tagged_pack("first"), _unpack):
+            await m.p0.output
+            seen.append(_saved_hooks_tag())
+        with torch.autograd.graph.saved_tensors_hooks(_tagged_pack("second"), _unpack):
+            await m.lin0.output
+            seen.append(_saved_hooks_tag())
+        with mode_a:
+            await m.p1.output
+            torch.zeros(1).sum()
+        with mode_b:
+            await m.lin1.output
+            torch.zeros(1).sum()
+        return seen
+
+    outside = contextlib.nullcontext()
+    if outer:
+        outside = torch.autograd.graph.saved_tensors_hooks(_tagged_pack("outer"), _unpack)
+    with outside:
+        with asyncpp.trace(engine, grad=True) as t:
+            h = t.invoke(torch.randn(2, 4), block)
+        assert _saved_hooks_tag() == ("outer" if outer else None)
+    assert h.result == ["first", "second"]
+    assert (mode_a.calls, mode_b.calls) == (2, 2)  # each saw the block's own ops after its await

@@ -20,7 +20,7 @@ from types import ModuleType
 from ..kernel.errors import AsyncppError
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("module.cpp", "tls_swap.cpp", "controller.cpp", "rows.cpp", "trap_await.cpp")
+SOURCES = ("module.cpp", "tls_swap.cpp", "autocast_tls.cpp", "controller.cpp", "rows.cpp", "trap_await.cpp")
 ENV_SWITCH = "ASYNCPP_TLS_SWAP"
 
 _lock = threading.Lock()
