@@ -13,12 +13,12 @@ void register_tls(pybind11::module_& m);
 int tls_enter(PyObject* state);
 int tls_leave(PyObject* state);
 
-// The calling thread's autocast fields in torch, to read in place (autocast_tls.cpp); all null
+// The calling thread's autocast fields in torch, to read and write in place (autocast_tls.cpp); all null
 // where they cannot be located, and then torch's getters are the way to read them.
 struct AutocastFields {
-  const bool* cache = nullptr;
-  const at::ScalarType* dtype = nullptr;  // per device type
-  const int* nesting = nullptr;
+  bool* cache = nullptr;
+  at::ScalarType* dtype = nullptr;  // per device type
+  int* nesting = nullptr;
 };
 AutocastFields autocast_fields_here();
 

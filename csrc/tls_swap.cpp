@@ -103,8 +103,8 @@ inline uintptr_t thread_id() {
 
 struct Sources {
   uintptr_t thread = 0;
-  const c10::impl::PODLocalDispatchKeySet* keys = nullptr;
-  const c10::AutogradState* autograd = nullptr;
+  c10::impl::PODLocalDispatchKeySet* keys = nullptr;
+  c10::AutogradState* autograd = nullptr;
   const at::impl::SavedTensorDefaultHooksTLS* hooks = nullptr;
   const at::impl::PythonTorchFunctionTLS* tf = nullptr;
   const c10::impl::TorchDispatchModeTLS* dm = nullptr;
@@ -212,27 +212,47 @@ unsigned simple_diff(const Fingerprint& a, const Fingerprint& b) {
 }
 
 struct Simple {
-  c10::impl::LocalDispatchKeySet keys;
-  c10::AutogradState autograd;
+  c10::impl::PODLocalDispatchKeySet keys{};  // raw, as stored
+  c10::AutogradState autograd{false, false, false, false};
   at::ScalarType cpu_dtype = at::kFloat, cuda_dtype = at::kFloat;
   bool cache = true;
   int nesting = 0;
 
   // a copy of the thread's simple state: the parts in ``mask`` (keys and autograd state are plain
-  // thread-local reads and always copied)
-  explicit Simple(unsigned mask = kAll)
-      : keys(c10::impl::tls_local_dispatch_key_set()), autograd(c10::AutogradState::get_tls_state()) {
-    if (mask & kDtypes) {
-      cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
-      cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  // reads and always copied). Read and written in place where autocast's fields were located.
+  static Simple capture(const Sources& src, unsigned mask = kAll) {
+    Simple v;
+    v.keys = *src.keys;
+    v.autograd = *src.autograd;
+    if (const asyncpp::AutocastFields& ac = src.autocast; ac.cache != nullptr) {
+      v.cpu_dtype = ac.dtype[static_cast<int>(at::kCPU)];
+      v.cuda_dtype = ac.dtype[static_cast<int>(at::kCUDA)];
+      v.cache = *ac.cache;
+      v.nesting = *ac.nesting;
+      return v;
     }
-    if (mask & kCache) cache = at::autocast::is_autocast_cache_enabled();
-    if (mask & kNesting) nesting = autocast_nesting();
+    if (mask & kDtypes) {
+      v.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+      v.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    }
+    if (mask & kCache) v.cache = at::autocast::is_autocast_cache_enabled();
+    if (mask & kNesting) v.nesting = autocast_nesting();
+    return v;
   }
 
-  void apply(unsigned mask = kAll) const {
-    if (mask & kKeys) c10::impl::_force_tls_local_dispatch_key_set(keys);
-    if (mask & kGrad) c10::AutogradState::set_tls_state(autograd);
+  // install the parts in ``mask`` on the thread of ``src`` (the calling thread)
+  void apply(const Sources& src, unsigned mask = kAll) const {
+    if (mask & kKeys) *src.keys = keys;
+    if (mask & kGrad) *src.autograd = autograd;
+    if (const asyncpp::AutocastFields& ac = src.autocast; ac.cache != nullptr) {
+      if (mask & kDtypes) {
+        ac.dtype[static_cast<int>(at::kCPU)] = cpu_dtype;
+        ac.dtype[static_cast<int>(at::kCUDA)] = cuda_dtype;
+      }
+      if (mask & kCache) *ac.cache = cache;
+      if (mask & kNesting) *ac.nesting = nesting;
+      return;
+    }
     if (mask & kDtypes) {
       at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
       at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
@@ -262,7 +282,8 @@ struct BlockState {
   uint64_t captures = 0;      // leaves where the block had changed its state
   Sources src;                // where the thread it last ran on keeps its state
 
-  BlockState() : state(std::make_shared<const at::ThreadLocalState>()), simple(), src(Sources::here()) {
+  BlockState() : state(std::make_shared<const at::ThreadLocalState>()), src(Sources::here()) {
+    simple = Simple::capture(src);
     fp = fingerprint(src);
   }
   BlockState(const BlockState& t) : state(t.state), simple(t.simple), fp(t.fp), src(t.src) {}
@@ -304,7 +325,7 @@ __attribute__((hot)) void enter_impl(BlockState& b) {
     b.unverified = false;
     if (!same_words(now, b.fp)) {  // the thread's state moved on since the template: start from the thread's
       b.state = std::make_shared<const at::ThreadLocalState>();
-      b.simple = Simple();
+      b.simple = Simple::capture(b.src);
       b.fp = now;
     }
   }
@@ -316,15 +337,15 @@ __attribute__((hot)) void enter_impl(BlockState& b) {
   if (same_complex(now, b.fp)) {
     b.entry = BlockState::Entry::simple;  // only grad / inference / autocast differ: set those
     b.entry_mask = simple_diff(now, b.fp);
-    b.outer_simple.emplace(b.entry_mask);
+    b.outer_simple.emplace(Simple::capture(b.src, b.entry_mask));
   } else {
     b.entry = BlockState::Entry::full;
     b.entry_mask = kAll;
-    b.outer_simple.emplace(kAll);
+    b.outer_simple.emplace(Simple::capture(b.src));
     b.outer.emplace();
     at::ThreadLocalState::setThreadLocalState(*b.state);
   }
-  b.simple.apply(b.entry_mask);
+  b.simple.apply(b.src, b.entry_mask);
 }
 
 // Switch out of a block: keep what it changed, give the thread back its state.
@@ -341,7 +362,7 @@ __attribute__((hot)) void leave_impl(BlockState& b) {
     std::shared_ptr<const at::ThreadLocalState> prev_state;
     if (changed) {
       prev.emplace(b.simple);
-      b.simple = Simple();
+      b.simple = Simple::capture(b.src);
       if (complex_changed) {
         prev_state = std::move(b.state);
         b.state = std::make_shared<const at::ThreadLocalState>();
@@ -356,11 +377,11 @@ __attribute__((hot)) void leave_impl(BlockState& b) {
       // a simple entry, and the block changed its mode stacks or hooks: before, they were the
       // thread's; the parts not installed at entry were the thread's too
       at::ThreadLocalState::setThreadLocalState(*prev_state);
-      prev->apply(kAll);
+      prev->apply(b.src);
     } else if (prev) {
-      prev->apply(simple_diff(now, old_fp) & ~b.entry_mask);  // parts the block changed itself
+      prev->apply(b.src, simple_diff(now, old_fp) & ~b.entry_mask);  // parts the block changed itself
     }
-    b.outer_simple->apply(b.entry_mask);
+    b.outer_simple->apply(b.src, b.entry_mask);
     b.outer_simple.reset();
     return;
   }
@@ -370,17 +391,17 @@ __attribute__((hot)) void leave_impl(BlockState& b) {
   // the block changed its state after a fast entry: before that, its state was the thread's
   Simple previous_simple = b.simple;
   const Fingerprint old_fp = b.fp;
-  b.simple = Simple();
+  b.simple = Simple::capture(b.src);
   b.captures++;
   b.fp = now;
   if (complex_changed) {
     auto previous = std::move(b.state);
     b.state = std::make_shared<const at::ThreadLocalState>();
     at::ThreadLocalState::setThreadLocalState(*previous);
-    previous_simple.apply(kAll);
+    previous_simple.apply(b.src);
     return;
   }
-  previous_simple.apply(simple_diff(now, old_fp));
+  previous_simple.apply(b.src, simple_diff(now, old_fp));
 }
 
 void enter(BlockState& b) { timed(true, [&] { enter_impl(b); }); }

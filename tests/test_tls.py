@@ -390,3 +390,35 @@ def test_context_replaced_at_the_same_depth_between_awaits_is_seen(outer):
         assert _saved_hooks_tag() == ("outer" if outer else None)
     assert h.result == ["first", "second"]
     assert (mode_a.calls, mode_b.calls) == (2, 2)  # each saw the block's own ops after its await
+
+
+def test_autocast_fields_in_place_and_the_fallback_both_isolate():
+    """The swap reads and sets autocast's fields in place where it can locate them in torch (here it
+    can); where it cannot, it goes through torch's getters and setters. The isolation tests that
+    involve autocast pass both ways (the second forced with ASYNCPP_AUTOCAST_GETTERS=1)."""
+    assert load().autocast_in_place()
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "(autocast and swap and not fallback) or changing_between or same_depth or starts_with or forced",
+        ],
+        env={**os.environ, "ASYNCPP_AUTOCAST_GETTERS": "1", "ASYNCPP_EXPECT_GETTERS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout and "failed" not in res.stdout
+
+
+def test_forced_getters_are_taken():
+    if os.environ.get("ASYNCPP_EXPECT_GETTERS") != "1":
+        pytest.skip("run by the test above, in a process with ASYNCPP_AUTOCAST_GETTERS=1")
+    assert not load().autocast_in_place()

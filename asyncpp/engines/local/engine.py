@@ -78,6 +78,7 @@ class LocalEngine(Engine):
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
         weakref.finalize(self, self._thread.stop_soon).atexit = False
         self._switch: Any = _UNSET  # the thread-local-state swap, loaded at the first run
+        self._tls_templates: dict[bool, Any] = {}  # see _tls_template
         # an engine the user made owns its model; the per-model cache of for_model() must not
         self._owned = None if _cached else model
 
@@ -117,13 +118,10 @@ class LocalEngine(Engine):
             self._switch = tls.get_switch()  # raises TLSBuildError when it cannot be built
         return self._switch
 
-    def _tls_template(self, grad: bool) -> Any:
+    def _tls_template(self, switch: Any, grad: bool) -> Any:
         """The torch state blocks of a run start from (forked per block), captured once per grad
         mode as the run sets it, so that forks are copies rather than fresh captures."""
-        switch = self.switch
-        if switch is None:
-            return None
-        templates = self.__dict__.setdefault("_templates", {})
+        templates = self._tls_templates
         template = templates.get(grad)
         if template is None:
             with torch.set_grad_enabled(grad):
@@ -132,13 +130,14 @@ class LocalEngine(Engine):
 
     def _execute(self, spec: RunSpec) -> RunOutcome:
         call, rows, batch_size, prompt_len = self._prepare(spec)
+        switch = self.switch
         kernel = Interleaver(
             self.paths,
             batch_size,
             step_index=0,
-            switch=self.switch,
+            switch=switch,
             slot=self._controllers.slot,
-            tls_template=self._tls_template(spec.grad),
+            tls_template=None if switch is None else self._tls_template(switch, spec.grad),
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         lock = self._lock
