@@ -9,7 +9,7 @@ runs both modes, in phases: on, off, off, on (`--cycles` times), `--traces` forw
 of a block that reads every layer's output (10 switches per trace), after one untimed trace.
 The process itself starts and stops the counting around each phase's traces and dumps each phase
 on its own (callgrind's client requests, from a small helper the script compiles against
-valgrind's headers), so every phase counts exactly its traces; per mode, the median of its
+valgrind's headers), so every phase counts exactly its traces; per mode, the mean of its
 phases, per trace. Phases of one mode then agree to about 0.1% of their instructions, which
 resolves the swap's whole cost: what it does itself and what it costs the code around it (the
 calls into it, the Python code that sets it up, the cache lines it displaces).
@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from statistics import median
+from statistics import mean
 
 import bench_common
 
@@ -178,9 +178,9 @@ def main() -> int:
         profiles = [read_profile(p) for p in run_phases(phases, args.traces, Path(tmp))]
 
     def per_trace(mode: str, group: str, e: str) -> float:
-        """The median over the mode's phases, per trace."""
+        """The mean over the mode's phases, per trace (means add up: the groups sum to the total)."""
         values = [p[group][e] for p, m in zip(profiles, phases, strict=True) if m == mode]
-        return median(values) / args.traces
+        return mean(values) / args.traces
 
     def spread(mode: str, e: str) -> float:
         values = [p["total"][e] for p, m in zip(profiles, phases, strict=True) if m == mode]
@@ -209,8 +209,8 @@ def main() -> int:
     table = bench_common.md_table(
         [
             "per trace",
-            "swap off: median of phases",
-            "swap on: median of phases",
+            "swap off: mean of phases",
+            "swap on: mean of phases",
             "on - off",
             "of which inside the swap's own functions",
         ],
