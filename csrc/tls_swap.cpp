@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -93,6 +94,11 @@ template struct Expose<DmInfra, &c10::impl::TorchDispatchModeTLS::infra_modes_>;
 // call into another library is a miss or two). Each BlockState keeps the set of the thread it last
 // ran on, checked by thread id: a thread_local here would cost a __tls_get_addr call per switch,
 // since this library is loaded with dlopen.
+//
+// A new thread can get the id of one that has ended (glibc reuses a cached stack, and the id is
+// its address) while the old thread's torch state objects are freed. So every thread that looked
+// its sources up advances a global epoch when it ends, and sets from an earlier epoch are looked
+// up again.
 inline uintptr_t thread_id() {
 #if defined(__x86_64__) && __has_builtin(__builtin_thread_pointer)
   return reinterpret_cast<uintptr_t>(__builtin_thread_pointer());  // one register read, no call
@@ -101,8 +107,18 @@ inline uintptr_t thread_id() {
 #endif
 }
 
+std::atomic<uint64_t> thread_epoch{1};
+
+struct EpochOnExit {
+  bool armed = false;
+  ~EpochOnExit() {
+    if (armed) thread_epoch.fetch_add(1, std::memory_order_release);
+  }
+};
+
 struct Sources {
   uintptr_t thread = 0;
+  uint64_t epoch = 0;
   c10::impl::PODLocalDispatchKeySet* keys = nullptr;
   c10::AutogradState* autograd = nullptr;
   const at::impl::SavedTensorDefaultHooksTLS* hooks = nullptr;
@@ -113,7 +129,10 @@ struct Sources {
 
   // the calling thread's
   static Sources here() {
+    thread_local EpochOnExit on_exit;
+    on_exit.armed = true;
     Sources s;
+    s.epoch = thread_epoch.load(std::memory_order_acquire);
     s.thread = thread_id();
     s.keys = &c10::impl::raw_local_dispatch_key_set;
     s.autograd = &c10::AutogradState::get_tls_state();
@@ -126,7 +145,8 @@ struct Sources {
   }
   // make these the calling thread's, if they are not
   __attribute__((hot)) void ensure_here() {
-    if (__builtin_expect(thread != thread_id() || keys == nullptr, 0)) *this = here();
+    if (__builtin_expect(thread != thread_id() || epoch != thread_epoch.load(std::memory_order_acquire), 0))
+      *this = here();
   }
 };
 

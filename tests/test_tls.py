@@ -422,3 +422,34 @@ def test_forced_getters_are_taken():
     if os.environ.get("ASYNCPP_EXPECT_GETTERS") != "1":
         pytest.skip("run by the test above, in a process with ASYNCPP_AUTOCAST_GETTERS=1")
     assert not load().autocast_in_place()
+
+
+def test_state_made_on_a_thread_that_ended_works_on_a_new_thread():
+    """A block state made on a thread that has ended, used on a new thread (which may get the old
+    one's id: glibc reuses its stack) reads and sets the new thread's torch state."""
+    switch = load()
+    made: list = []
+    first = threading.Thread(target=lambda: made.append(switch.BlockState()))
+    first.start()
+    first.join()
+    template = made[0]
+    seen: dict = {}
+
+    def second():
+        with torch.no_grad():
+            state = template.fork()
+            switch.enter(state)  # the block starts with this thread's state: grad off
+            seen["start"] = torch.is_grad_enabled()
+            torch.set_grad_enabled(True)  # the block turns grad on
+            switch.leave(state)
+            seen["after leave"] = torch.is_grad_enabled()
+            switch.enter(state)
+            seen["entered again"] = torch.is_grad_enabled()
+            switch.leave(state)
+            seen["end"] = torch.is_grad_enabled()
+
+    t = threading.Thread(target=second)
+    t.start()
+    t.join()
+    assert seen["start"] is False and seen["after leave"] is False
+    assert seen["entered again"] is True and seen["end"] is False
