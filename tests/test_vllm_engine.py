@@ -248,6 +248,47 @@ def test_a_failing_block_fails_only_its_request(vllm_engine):
     assert h.result == a
 
 
+def test_blocks_torch_state_is_isolated_in_the_worker(vllm_engine):
+    """In the worker a block starts in the forward's state (vLLM runs it under inference mode, so the
+    tensors a block makes are inference tensors), and a torch-function mode it holds across its
+    awaits sees only the block's own calls, none of the model's layers (without the swap, with
+    ASYNCPP_TLS_SWAP=0, it counts hundreds), and is back at every resume."""
+    text = "The quick brown fox"
+
+    async def plain(m):
+        return (await m.logits).clone()
+
+    async def held(m):
+        from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+        class Count(TorchFunctionMode):  # made in the worker: counts the torch calls it sees
+            calls = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                Count.calls += 1
+                return func(*args, **(kwargs or {}))
+
+        made = torch.ones(2)
+        started = (torch.is_inference_mode_enabled(), made.is_inference())
+        depth = []
+        with Count():
+            for layer in m.model.layers:
+                await layer.output
+                depth.append(len(_get_current_function_mode_stack()))
+            logits = (await m.logits).clone()  # the block's one torch call under the mode
+        return started, depth, Count.calls, logits
+
+    with asyncpp.trace(vllm_engine) as t:
+        a = t.invoke(text, plain)
+    with asyncpp.trace(vllm_engine) as t:
+        b = t.invoke(text, held)
+    started, depth, calls, logits = b.result
+    assert started == (True, True)
+    assert depth == [1] * len(depth) and len(depth) > 0
+    assert calls == 1
+    torch.testing.assert_close(logits, a.result, rtol=0, atol=0)
+
+
 def test_unknown_path_is_rejected_before_sending(vllm_engine):
     async def typo(m):
         return await m.model.layers[0].mpl.output
