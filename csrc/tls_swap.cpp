@@ -128,7 +128,7 @@ struct Sources {
   asyncpp::AutocastFields autocast;  // null where torch's getters must be called instead
 
   // the calling thread's
-  static Sources here() {
+  __attribute__((noinline, cold)) static Sources here() {
     thread_local EpochOnExit on_exit;
     on_exit.armed = true;
     Sources s;
@@ -155,6 +155,15 @@ const uint64_t kPythonDispatcherKey = c10::DispatchKeySet(c10::DispatchKey::Pyth
 // Without CUDA, the CUDA autocast dtype cannot change what anything computes.
 const bool kWatchCudaDtype = at::hasCUDA();
 
+// where autocast's fields could not be located: torch's getters (kept out of the hot code)
+__attribute__((cold, noinline)) void autocast_by_getters(uint64_t& cache, uint64_t& cpu_dtype, uint64_t& cuda_dtype,
+                                                         uint64_t& nesting) {
+  cache = at::autocast::is_autocast_cache_enabled();
+  cpu_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU));
+  if (kWatchCudaDtype) cuda_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA));
+  nesting = static_cast<uint32_t>(autocast_nesting());
+}
+
 __attribute__((hot)) Fingerprint fingerprint(const Sources& src) {
   Fingerprint f{};
   f[0] = src.keys->included_;  // raw (stored xor the default set): equal sets, equal words
@@ -167,10 +176,7 @@ __attribute__((hot)) Fingerprint fingerprint(const Sources& src) {
     if (kWatchCudaDtype) cuda_dtype = static_cast<int>(ac.dtype[static_cast<int>(at::kCUDA)]);
     nesting = static_cast<uint32_t>(*ac.nesting);
   } else {
-    cache = at::autocast::is_autocast_cache_enabled();
-    cpu_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU));
-    if (kWatchCudaDtype) cuda_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA));
-    nesting = static_cast<uint32_t>(autocast_nesting());
+    autocast_by_getters(cache, cpu_dtype, cuda_dtype, nesting);
   }
   f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
          ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
@@ -508,27 +514,38 @@ BlockState* unwrap(PyObject* o) {
   return reinterpret_cast<PyBlockState*>(o)->impl;
 }
 
-__attribute__((hot)) PyObject* py_enter(PyObject*, PyObject* o) {
+// enter/leave for C callers and Python: 0, or -1 with a Python error set
+__attribute__((hot)) int switch_in(PyObject* o) {
   BlockState* b = unwrap(o);
-  if (!b) return nullptr;
+  if (!b) return -1;
   try {
     enter(*b);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return -1;
   }
-  Py_RETURN_NONE;
+  return 0;
 }
 
-__attribute__((hot)) PyObject* py_leave(PyObject*, PyObject* o) {
+__attribute__((hot)) int switch_out(PyObject* o) {
   BlockState* b = unwrap(o);
-  if (!b) return nullptr;
+  if (!b) return -1;
   try {
     leave(*b);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return -1;
   }
+  return 0;
+}
+
+PyObject* py_enter(PyObject*, PyObject* o) {
+  if (switch_in(o) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_leave(PyObject*, PyObject* o) {
+  if (switch_out(o) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -539,19 +556,8 @@ PyMethodDef tls_functions[] = {
 
 }  // namespace
 
-int asyncpp::tls_enter(PyObject* state) {
-  PyObject* r = py_enter(nullptr, state);
-  if (!r) return -1;
-  Py_DECREF(r);
-  return 0;
-}
-
-int asyncpp::tls_leave(PyObject* state) {
-  PyObject* r = py_leave(nullptr, state);
-  if (!r) return -1;
-  Py_DECREF(r);
-  return 0;
-}
+int asyncpp::tls_enter(PyObject* state) { return switch_in(state); }
+int asyncpp::tls_leave(PyObject* state) { return switch_out(state); }
 
 void asyncpp::register_tls(pybind11::module_& m) {
   PyBlockStateType.tp_name = "asyncpp_native.BlockState";
