@@ -79,7 +79,7 @@ bool read_offsets(const char* path, size_t offsets[3]) {
       const auto* syms = reinterpret_cast<const Elf64_Sym*>(base + sh[i].sh_offset);
       const char* names = reinterpret_cast<const char*>(base + strs.sh_offset);
       const size_t count = sh[i].sh_size / sizeof(Elf64_Sym);
-      for (size_t k = 0; k < count; k++) {
+      for (size_t k = 0; k < count && !(found[0] && found[1] && found[2]); k++) {
         const Elf64_Sym& s = syms[k];
         if (ELF64_ST_TYPE(s.st_info) != STT_TLS || s.st_name >= strs.sh_size) continue;
         const char* name = names + s.st_name;
