@@ -4,7 +4,7 @@
 // inference mode, autocast, dispatch-key sets, mode stacks and saved-tensor hooks per thread.
 // Every switch into a block installs that block's state and every switch back restores the
 // forward's. A full capture (at::ThreadLocalState) costs around a microsecond, so each side is
-// summarised by a fingerprint of the cheap TLS getters: when the block's fingerprint equals the
+// summarised by a fingerprint of torch's state, read in place: when the block's fingerprint equals the
 // thread's at entry, and the block changed nothing before it left, no state is copied at all.
 
 #include <ATen/ThreadLocalState.h>
@@ -221,7 +221,8 @@ bool same_complex(const Fingerprint& a, const Fingerprint& b) { return same_word
 
 // The simple part of the state, captured and applied field by field (tens of nanoseconds).
 // Parts of the simple state, as a mask: a switch copies and sets only the parts that differ (each
-// part set is a call into torch, and after a forward every such call is a few cache misses).
+// part is a cache line or two of torch's, cold after a forward; without autocast's fields located,
+// a call into torch too).
 enum : unsigned { kKeys = 1, kGrad = 2, kCache = 4, kDtypes = 8, kNesting = 16, kAll = 31 };
 
 // The simple parts in which two fingerprints differ (see fingerprint() for the words' layout).
