@@ -38,9 +38,8 @@ What is measured:
    its ``BlockState.slow_entries``; every enter after the first is slow there, so enters =
    slow_entries + 1 and switches = 2 x enters. The *reads only* block makes the same awaits, so it
    has the same count. The resumes the block's own code sees (start, one per await, one per step,
-   the end of the step loop) are shown next to it: a step trap yielded on the native fast path is
-   handed to the Python kernel, which enters the block a second time, so the swap can run more often
-   than the block resumes.
+   the end of the step loop) are shown next to it: one enter per resume (a trap the native fast
+   path hands to the Python kernel is handled with the block's state still entered).
 
    Added us per switch = (trace with swap - trace without) / switches, the difference taken round
    by round (median of each round's calls) and its median over the rounds reported, with a
@@ -744,9 +743,8 @@ Command: `{command_line()}` ({date}; {seconds:.0f} s)
 {traces}
 
 Switch counts: each enter is followed by a leave. "block resumes" counts the resumes the block's
-own code sees (start, each await, each step, the end of the step loop); in `generate` the swap runs
-once more per step than that, because a step trap yielded on the native fast path is handed back to
-the Python kernel, which enters the block again. Slow entries are those of the probe run.
+own code sees (start, each await, each step, the end of the step loop): one enter each. Slow
+entries are those of the probe run.
 
 </details>
 """
