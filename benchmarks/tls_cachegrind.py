@@ -17,8 +17,8 @@ calls into it, the Python code that sets it up, the cache lines it displaces).
 Printed per trace: the totals' difference (on - off) with the phases' spread, and where the
 difference lies, by library (the swap's own functions, the rest of asyncpp's extension, the
 Python interpreter, torch, the C runtime including the dynamic loader's thread-local lookups).
-The part inside the swap's own functions (`fingerprint`, `enter_impl`, `leave_impl`,
-`state_fork`, `state_dealloc`) repeats exactly from run to run.
+The part inside the swap's own functions (`fingerprint`, `switch_in`, `switch_out` and their
+slow paths, `state_fork`, `state_dealloc`) repeats exactly from run to run.
 
 Usage (needs valgrind and a C compiler; about 4 minutes)::
 
@@ -44,7 +44,16 @@ import bench_common
 
 SECTION = "## Thread-local-state swap, counted (benchmarks/tls_cachegrind.py)"
 EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "DLmr")
-SWAP_FUNCTIONS = ("fingerprint(", "enter_impl(", "leave_impl(", "state_fork(", "state_dealloc(")
+SWAP_FUNCTIONS = (
+    "fingerprint(",
+    "switch_in(",
+    "switch_out(",
+    "enter_",
+    "leave_",
+    "adopt_thread_state(",
+    "state_fork(",
+    "state_dealloc(",
+)
 SWITCHES_PER_TRACE = 10
 
 # callgrind's client requests, callable from Python through ctypes

@@ -291,29 +291,31 @@ struct Simple {
 
 // The torch state of one block.
 struct BlockState {
-  // the block's full state (its simple part may be older than `simple`); immutable once captured,
-  // so blocks forked from one template share it instead of copying it
-  std::shared_ptr<const at::ThreadLocalState> state;
-  Simple simple;               // the block's simple state, always current
-  Fingerprint fp;
-  // set while the block runs:
-  enum class Entry { fast, simple, full } entry = Entry::fast;
-  unsigned entry_mask = kAll;                 // the simple parts installed at entry
-  std::optional<at::ThreadLocalState> outer;  // the thread's full state at a full entry
-  std::optional<Simple> outer_simple;         // the thread's simple state at a non-fast entry
+  // what every switch reads, first and together (a switch after a model layer meets cold caches:
+  // each cache line it touches is a miss)
   bool inside = false;
   // forked and not yet entered: the template's state, until the first entry checks that the thread
   // still has it (the block starts with the thread's state at that moment)
   bool unverified = false;
+  enum class Entry : uint8_t { fast, simple, full } entry = Entry::fast;  // set while the block runs
+  unsigned entry_mask = kAll;  // the simple parts installed at entry
+  Fingerprint fp;
+  Sources src;  // where the thread it last ran on keeps its state
+  // the rest: used when a state is installed or captured
+  // the block's full state (its simple part may be older than `simple`); immutable once captured,
+  // so blocks forked from one template share it instead of copying it
+  std::shared_ptr<const at::ThreadLocalState> state;
+  Simple simple;                                  // the block's simple state, always current
+  std::optional<Simple> outer_simple;             // the thread's simple state at a non-fast entry
+  std::unique_ptr<at::ThreadLocalState> outer;    // the thread's full state at a full entry
   uint64_t slow_entries = 0;  // for the benchmark: entries that had to install another state
   uint64_t captures = 0;      // leaves where the block had changed its state
-  Sources src;                // where the thread it last ran on keeps its state
 
-  BlockState() : state(std::make_shared<const at::ThreadLocalState>()), src(Sources::here()) {
+  BlockState() : src(Sources::here()), state(std::make_shared<const at::ThreadLocalState>()) {
     simple = Simple::capture(src);
     fp = fingerprint(src);
   }
-  BlockState(const BlockState& t) : state(t.state), simple(t.simple), fp(t.fp), src(t.src) {}
+  BlockState(const BlockState& t) : fp(t.fp), src(t.src), state(t.state), simple(t.simple) {}
 };
 
 // In-trace timing for the benchmark (benchmarks/tls_switch.py): when on, the time spent inside the
@@ -343,23 +345,8 @@ __attribute__((always_inline)) inline void timed(bool is_switch, F&& body) {
 }
 
 // Switch into a block: install its state on the calling thread.
-__attribute__((hot)) void enter_impl(BlockState& b) {
-  TORCH_CHECK(!b.inside, "asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
-  b.inside = true;
-  b.src.ensure_here();
-  const Fingerprint now = fingerprint(b.src);
-  if (b.unverified) {
-    b.unverified = false;
-    if (!same_words(now, b.fp)) {  // the thread's state moved on since the template: start from the thread's
-      b.state = std::make_shared<const at::ThreadLocalState>();
-      b.simple = Simple::capture(b.src);
-      b.fp = now;
-    }
-  }
-  if (same_words(now, b.fp)) {
-    b.entry = BlockState::Entry::fast;  // the thread already has the block's state
-    return;
-  }
+// The slow part of an entry: the block's state differs from the thread's.
+__attribute__((noinline, cold)) void enter_slow(BlockState& b, const Fingerprint& now) {
   b.slow_entries++;
   if (same_complex(now, b.fp)) {
     b.entry = BlockState::Entry::simple;  // only grad / inference / autocast differ: set those
@@ -369,53 +356,76 @@ __attribute__((hot)) void enter_impl(BlockState& b) {
     b.entry = BlockState::Entry::full;
     b.entry_mask = kAll;
     b.outer_simple.emplace(Simple::capture(b.src));
-    b.outer.emplace();
+    b.outer = std::make_unique<at::ThreadLocalState>();
     at::ThreadLocalState::setThreadLocalState(*b.state);
   }
   b.simple.apply(b.src, b.entry_mask);
 }
 
-// Switch out of a block: keep what it changed, give the thread back its state.
-__attribute__((hot)) void leave_impl(BlockState& b) {
-  TORCH_CHECK(b.inside, "asyncpp: a block was left without being entered");
-  b.inside = false;
+// A forked block's first entry: the thread's state moved on since the template, so the block
+// starts from the thread's.
+__attribute__((noinline, cold)) void adopt_thread_state(BlockState& b, const Fingerprint& now) {
+  b.state = std::make_shared<const at::ThreadLocalState>();
+  b.simple = Simple::capture(b.src);
+  b.fp = now;
+}
+
+[[noreturn]] __attribute__((noinline, cold)) void fail_switch(const char* what) { TORCH_CHECK(false, what); }
+
+// Switch into a block: install its state on the calling thread.
+__attribute__((hot)) inline void enter_impl(BlockState& b) {
+  if (__builtin_expect(b.inside, 0))
+    fail_switch("asyncpp: a block was entered twice without leaving (resumed on two threads at once?)");
+  b.inside = true;
   b.src.ensure_here();
   const Fingerprint now = fingerprint(b.src);
-  const bool changed = !same_words(now, b.fp);
-  const bool complex_changed = changed && !same_complex(now, b.fp);
-  if (b.entry != BlockState::Entry::fast) {
-    const Fingerprint old_fp = b.fp;
-    std::optional<Simple> prev;  // the block's simple state before this run
-    std::shared_ptr<const at::ThreadLocalState> prev_state;
-    if (changed) {
-      prev.emplace(b.simple);
-      b.simple = Simple::capture(b.src);
-      if (complex_changed) {
-        prev_state = std::move(b.state);
-        b.state = std::make_shared<const at::ThreadLocalState>();
-      }
-      b.fp = now;
-      b.captures++;
-    }
-    if (b.entry == BlockState::Entry::full) {
-      at::ThreadLocalState::setThreadLocalState(*b.outer);
-      b.outer.reset();
-    } else if (prev_state) {
-      // a simple entry, and the block changed its mode stacks or hooks: before, they were the
-      // thread's; the parts not installed at entry were the thread's too
-      at::ThreadLocalState::setThreadLocalState(*prev_state);
-      prev->apply(b.src);
-    } else if (prev) {
-      prev->apply(b.src, simple_diff(now, old_fp) & ~b.entry_mask);  // parts the block changed itself
-    }
-    b.outer_simple->apply(b.src, b.entry_mask);
-    b.outer_simple.reset();
+  if (__builtin_expect(b.unverified, 0)) {
+    b.unverified = false;
+    if (!same_words(now, b.fp)) adopt_thread_state(b, now);
+  }
+  if (__builtin_expect(same_words(now, b.fp), 1)) {
+    b.entry = BlockState::Entry::fast;  // the thread already has the block's state
     return;
   }
-  if (!changed) {
-    return;  // fast path: nothing changed on either side
+  enter_slow(b, now);
+}
+
+// Leaving after a slow entry: keep what the block changed, put back the thread's state.
+__attribute__((noinline, cold)) void leave_after_slow_entry(BlockState& b, const Fingerprint& now) {
+  const bool changed = !same_words(now, b.fp);
+  const bool complex_changed = changed && !same_complex(now, b.fp);
+  const Fingerprint old_fp = b.fp;
+  std::optional<Simple> prev;  // the block's simple state before this run
+  std::shared_ptr<const at::ThreadLocalState> prev_state;
+  if (changed) {
+    prev.emplace(b.simple);
+    b.simple = Simple::capture(b.src);
+    if (complex_changed) {
+      prev_state = std::move(b.state);
+      b.state = std::make_shared<const at::ThreadLocalState>();
+    }
+    b.fp = now;
+    b.captures++;
   }
-  // the block changed its state after a fast entry: before that, its state was the thread's
+  if (b.entry == BlockState::Entry::full) {
+    at::ThreadLocalState::setThreadLocalState(*b.outer);
+    b.outer.reset();
+  } else if (prev_state) {
+    // a simple entry, and the block changed its mode stacks or hooks: before, they were the
+    // thread's; the parts not installed at entry were the thread's too
+    at::ThreadLocalState::setThreadLocalState(*prev_state);
+    prev->apply(b.src);
+  } else if (prev) {
+    prev->apply(b.src, simple_diff(now, old_fp) & ~b.entry_mask);  // parts the block changed itself
+  }
+  b.outer_simple->apply(b.src, b.entry_mask);
+  b.outer_simple.reset();
+}
+
+// Leaving after a fast entry, the block having changed its state: before that change, its state
+// was the thread's, so that is what the thread gets back.
+__attribute__((noinline, cold)) void leave_after_change(BlockState& b, const Fingerprint& now) {
+  const bool complex_changed = !same_complex(now, b.fp);
   Simple previous_simple = b.simple;
   const Fingerprint old_fp = b.fp;
   b.simple = Simple::capture(b.src);
@@ -429,6 +439,19 @@ __attribute__((hot)) void leave_impl(BlockState& b) {
     return;
   }
   previous_simple.apply(b.src, simple_diff(now, old_fp));
+}
+
+// Switch out of a block: keep what it changed, give the thread back its state.
+__attribute__((hot)) inline void leave_impl(BlockState& b) {
+  if (__builtin_expect(!b.inside, 0)) fail_switch("asyncpp: a block was left without being entered");
+  b.inside = false;
+  b.src.ensure_here();
+  const Fingerprint now = fingerprint(b.src);
+  if (__builtin_expect(b.entry != BlockState::Entry::fast, 0)) {
+    leave_after_slow_entry(b, now);
+  } else if (__builtin_expect(!same_words(now, b.fp), 0)) {
+    leave_after_change(b, now);
+  }  // else the fast path: nothing changed on either side
 }
 
 void enter(BlockState& b) { timed(true, [&] { enter_impl(b); }); }
