@@ -19,7 +19,6 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include "asyncpp_native.h"
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -155,13 +154,23 @@ const uint64_t kPythonDispatcherKey = c10::DispatchKeySet(c10::DispatchKey::Pyth
 // Without CUDA, the CUDA autocast dtype cannot change what anything computes.
 const bool kWatchCudaDtype = at::hasCUDA();
 
+// Autocast's part of the thread's state (its enabled flags are dispatch keys, kept with those).
+struct AutocastState {
+  at::ScalarType cpu_dtype = at::kFloat, cuda_dtype = at::kFloat;
+  bool cache = true;
+  int nesting = 0;
+};
+
 // where autocast's fields could not be located: torch's getters (kept out of the hot code)
-__attribute__((cold, noinline)) void autocast_by_getters(uint64_t& cache, uint64_t& cpu_dtype, uint64_t& cuda_dtype,
-                                                         uint64_t& nesting) {
-  cache = at::autocast::is_autocast_cache_enabled();
-  cpu_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCPU));
-  if (kWatchCudaDtype) cuda_dtype = static_cast<int>(at::autocast::get_autocast_dtype(at::kCUDA));
-  nesting = static_cast<uint32_t>(autocast_nesting());
+__attribute__((cold, noinline)) AutocastState autocast_by_getters() {
+  return {at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA),
+          at::autocast::is_autocast_cache_enabled(), autocast_nesting()};
+}
+
+inline AutocastState read_autocast(const Sources& src) {
+  const asyncpp::AutocastFields& ac = src.autocast;
+  if (__builtin_expect(ac.cache == nullptr, 0)) return autocast_by_getters();
+  return {ac.dtype[static_cast<int>(at::kCPU)], ac.dtype[static_cast<int>(at::kCUDA)], *ac.cache, *ac.nesting};
 }
 
 __attribute__((hot)) Fingerprint fingerprint(const Sources& src) {
@@ -169,19 +178,13 @@ __attribute__((hot)) Fingerprint fingerprint(const Sources& src) {
   f[0] = src.keys->included_;  // raw (stored xor the default set): equal sets, equal words
   f[1] = src.keys->excluded_;
   const c10::AutogradState& ag = *src.autograd;
-  uint64_t cache, cpu_dtype, cuda_dtype = 0, nesting;
-  if (const asyncpp::AutocastFields& ac = src.autocast; __builtin_expect(ac.cache != nullptr, 1)) {
-    cache = *ac.cache;
-    cpu_dtype = static_cast<int>(ac.dtype[static_cast<int>(at::kCPU)]);
-    if (kWatchCudaDtype) cuda_dtype = static_cast<int>(ac.dtype[static_cast<int>(at::kCUDA)]);
-    nesting = static_cast<uint32_t>(*ac.nesting);
-  } else {
-    autocast_by_getters(cache, cpu_dtype, cuda_dtype, nesting);
-  }
+  const AutocastState ac = read_autocast(src);
   f[2] = (uint64_t)ag.get_grad_mode() | ((uint64_t)ag.get_fw_grad_mode() << 1) |
          ((uint64_t)ag.get_inference_mode() << 2) | ((uint64_t)ag.get_multithreading_enabled() << 3) |
-         ((uint64_t)ag.get_view_replay_enabled() << 4) | (cache << 5);
-  f[3] = cpu_dtype | (cuda_dtype << 16) | (nesting << 32);
+         ((uint64_t)ag.get_view_replay_enabled() << 4) | ((uint64_t)ac.cache << 5);
+  const uint64_t cuda_dtype = kWatchCudaDtype ? static_cast<int>(ac.cuda_dtype) : 0;
+  f[3] = (uint64_t)static_cast<int>(ac.cpu_dtype) | (cuda_dtype << 16) |
+         ((uint64_t)static_cast<uint32_t>(ac.nesting) << 32);
   const auto& tf_stack = src.tf->*member(TfStack{});
   f[4] = (uint64_t)tf_stack.size() | ((uint64_t)static_cast<int>(src.tf->*member(TfDisabled{})) << 48);
   f[5] = tf_stack.empty() ? 0 : ptr_bits(tf_stack.back().get());
@@ -220,9 +223,9 @@ inline bool same_words(const Fingerprint& a, const Fingerprint& b, size_t from =
 bool same_complex(const Fingerprint& a, const Fingerprint& b) { return same_words(a, b, kSimpleWords); }
 
 // The simple part of the state, captured and applied field by field (tens of nanoseconds).
-// Parts of the simple state, as a mask: a switch copies and sets only the parts that differ (each
-// part is a cache line or two of torch's, cold after a forward; without autocast's fields located,
-// a call into torch too).
+// Parts of the simple state, as a mask: a switch sets only the parts that differ (each part is a
+// cache line or two of torch's, cold after a forward; without autocast's fields located, a call
+// into torch too).
 enum : unsigned { kKeys = 1, kGrad = 2, kCache = 4, kDtypes = 8, kNesting = 16, kAll = 31 };
 
 // The simple parts in which two fingerprints differ (see fingerprint() for the words' layout).
@@ -241,51 +244,31 @@ unsigned simple_diff(const Fingerprint& a, const Fingerprint& b) {
 struct Simple {
   c10::impl::PODLocalDispatchKeySet keys{};  // raw, as stored
   c10::AutogradState autograd{false, false, false, false};
-  at::ScalarType cpu_dtype = at::kFloat, cuda_dtype = at::kFloat;
-  bool cache = true;
-  int nesting = 0;
+  AutocastState autocast;
 
-  // a copy of the thread's simple state: the parts in ``mask`` (keys and autograd state are plain
-  // reads and always copied). Read and written in place where autocast's fields were located.
-  static Simple capture(const Sources& src, unsigned mask = kAll) {
-    Simple v;
-    v.keys = *src.keys;
-    v.autograd = *src.autograd;
-    if (const asyncpp::AutocastFields& ac = src.autocast; ac.cache != nullptr) {
-      v.cpu_dtype = ac.dtype[static_cast<int>(at::kCPU)];
-      v.cuda_dtype = ac.dtype[static_cast<int>(at::kCUDA)];
-      v.cache = *ac.cache;
-      v.nesting = *ac.nesting;
-      return v;
-    }
-    if (mask & kDtypes) {
-      v.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
-      v.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
-    }
-    if (mask & kCache) v.cache = at::autocast::is_autocast_cache_enabled();
-    if (mask & kNesting) v.nesting = autocast_nesting();
-    return v;
-  }
+  // a copy of the thread's simple state
+  static Simple capture(const Sources& src) { return {*src.keys, *src.autograd, read_autocast(src)}; }
 
-  // install the parts in ``mask`` on the thread of ``src`` (the calling thread)
+  // install the parts in ``mask`` on the thread of ``src`` (the calling thread), in place where
+  // autocast's fields were located
   void apply(const Sources& src, unsigned mask = kAll) const {
     if (mask & kKeys) *src.keys = keys;
     if (mask & kGrad) *src.autograd = autograd;
     if (const asyncpp::AutocastFields& ac = src.autocast; ac.cache != nullptr) {
       if (mask & kDtypes) {
-        ac.dtype[static_cast<int>(at::kCPU)] = cpu_dtype;
-        ac.dtype[static_cast<int>(at::kCUDA)] = cuda_dtype;
+        ac.dtype[static_cast<int>(at::kCPU)] = autocast.cpu_dtype;
+        ac.dtype[static_cast<int>(at::kCUDA)] = autocast.cuda_dtype;
       }
-      if (mask & kCache) *ac.cache = cache;
-      if (mask & kNesting) *ac.nesting = nesting;
+      if (mask & kCache) *ac.cache = autocast.cache;
+      if (mask & kNesting) *ac.nesting = autocast.nesting;
       return;
     }
     if (mask & kDtypes) {
-      at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
-      at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+      at::autocast::set_autocast_dtype(at::kCPU, autocast.cpu_dtype);
+      at::autocast::set_autocast_dtype(at::kCUDA, autocast.cuda_dtype);
     }
-    if (mask & kCache) at::autocast::set_autocast_cache_enabled(cache);
-    if (mask & kNesting) set_autocast_nesting(nesting);
+    if (mask & kCache) at::autocast::set_autocast_cache_enabled(autocast.cache);
+    if (mask & kNesting) set_autocast_nesting(autocast.nesting);
   }
 };
 
@@ -348,14 +331,13 @@ __attribute__((always_inline)) inline void timed(bool is_switch, F&& body) {
 // The slow part of an entry: the block's state differs from the thread's.
 __attribute__((noinline, cold)) void enter_slow(BlockState& b, const Fingerprint& now) {
   b.slow_entries++;
+  b.outer_simple.emplace(Simple::capture(b.src));
   if (same_complex(now, b.fp)) {
     b.entry = BlockState::Entry::simple;  // only grad / inference / autocast differ: set those
     b.entry_mask = simple_diff(now, b.fp);
-    b.outer_simple.emplace(Simple::capture(b.src, b.entry_mask));
   } else {
     b.entry = BlockState::Entry::full;
     b.entry_mask = kAll;
-    b.outer_simple.emplace(Simple::capture(b.src));
     b.outer = std::make_unique<at::ThreadLocalState>();
     at::ThreadLocalState::setThreadLocalState(*b.state);
   }
