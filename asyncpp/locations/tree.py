@@ -135,13 +135,16 @@ class Root(Node):
         return self._alias("samples")
 
     def _alias(self, name: str) -> Location:
-        path = self._aliases.get(name)
-        if path is None:
+        target = self._aliases.get(name)
+        if target is None:
             raise PathError(
                 f"this model has no {name} location on this engine (a {self.module_type}); "
                 f"await m.output or a module's output instead"
             )
-        return self.find(path).output
+        if type(target) is tuple:  # (module path, key): an element of that module's output
+            path, key = target
+            return self.find(path).output[key]
+        return self.find(target).output
 
     def find(self, path: str) -> Node:
         """The node at a dotted module path ('' for the root)."""

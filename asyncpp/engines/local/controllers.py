@@ -11,6 +11,7 @@ here do the same, slower, when it is switched off (``ASYNCPP_TLS_SWAP=0``).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +83,13 @@ def _weak_forward(module: nn.Module) -> Callable:
     def forward(*args, **kwargs):
         return fn(ref(), *args, **kwargs)
 
+    # callers that inspect the forward's parameters (Hugging Face's generate asks whether it takes
+    # position_ids) must see the module's own, not (*args, **kwargs)
+    try:
+        sig = inspect.signature(fn)
+        forward.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+    except (TypeError, ValueError):
+        pass
     return forward
 
 

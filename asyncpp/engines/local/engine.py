@@ -7,6 +7,8 @@ the calling thread; async runs on the engine's long-lived model thread. One run 
 
 from __future__ import annotations
 
+import copy
+import inspect
 import threading
 import weakref
 from typing import Any
@@ -22,7 +24,7 @@ from ...locations.tree import build_tree
 from ...trace.bridge import ModelThread, run_on_thread
 from ..base import Deferred, Engine, InvokeOutcome, RunOutcome, RunSpec
 from .controllers import Controllers
-from .inputs import InputError, lm_batch, tensor_batch, token_rows
+from .inputs import InputError, check_prompts, lm_batch, position_ids, tensor_batch, token_rows
 
 _UNSET = object()
 
@@ -71,7 +73,9 @@ class LocalEngine(Engine):
         self.is_lm = _is_causal_lm(model)
         aliases = {}
         if self.is_lm and isinstance(getattr(model, "lm_head", None), nn.Module):
-            aliases["logits"] = "lm_head"
+            # the logits the model returns (and generate samples from): after any transform of
+            # lm_head's output, such as Gemma-2's final soft-capping; lm_head.output is the raw one
+            aliases["logits"] = ("", "logits")
         self.tree, modules, self.paths = build_tree(model, aliases)
         self._controllers = Controllers(modules)  # builds the native extension on first use
         self._lock = _model_lock(model)  # one run at a time per model, whichever engine
@@ -129,7 +133,7 @@ class LocalEngine(Engine):
         return template
 
     def _execute(self, spec: RunSpec) -> RunOutcome:
-        call, rows, batch_size, prompt_len = self._prepare(spec)
+        call, rows, out_rows, batch_size, prompt_len = self._prepare(spec)
         switch = self.switch
         kernel = Interleaver(
             self.paths,
@@ -172,26 +176,32 @@ class LocalEngine(Engine):
             o = outcome.invokes[order]
             o.result, o.error = block.result, block.error
             if out is not None:
+                r = out_rows[order]
                 if spec.generate:
-                    r = rows[order]
                     seq = out if r is None else out[r[0] : r[1]]
                     o.tokens = seq[:, prompt_len:].clone()
                 else:
-                    o.output = _RowsOf(out, rows[order], batch_size)
+                    o.output = _RowsOf(out, r, batch_size)
         return outcome
 
     def _prepare(self, spec: RunSpec):
-        """Build the batched call and each invoke's rows."""
+        """Build the batched call and each invoke's rows (of the batch its blocks see, and of the
+        model's output); a generation that expands each prompt (beams, several sequences) widens
+        both."""
         invokes = spec.invokes
         given = [i for i, inv in enumerate(invokes) if inv.input is not None]
         if not given:
             raise InputError("the trace has no input: give at least one invoke an input")
         where = _Labels(invokes, given)  # "invoke #i (block)" for error messages, built on demand
-        rows: list[tuple[int, int] | None] = [None] * len(invokes)
         model = self.model
         prompt_len = 0
+        expand = out_factor = 1
         if self.is_lm:
+            vocab, positions = _limits(model)
             per = [token_rows(invokes[i].input, self.tokenizer, w) for i, w in zip(given, where)]
+            new_tokens = (spec.max_new_tokens or 1) if spec.generate else 0
+            for p, w in zip(per, where):
+                check_prompts(p, w, vocab, positions, new_tokens)
             sizes = [len(p) for p in per]
             pad = getattr(model.config, "pad_token_id", None)
             if pad is None:
@@ -200,14 +210,26 @@ class LocalEngine(Engine):
                     pad = pad[0]
             inputs = lm_batch([r for p in per for r in p], pad)
             prompt_len = inputs["input_ids"].shape[1]
-            kwargs = {**inputs, **spec.model_kwargs}
             if spec.generate:
                 gen = {"max_new_tokens": spec.max_new_tokens or 1, "do_sample": False, "pad_token_id": pad}
                 gen.update(spec.model_kwargs)
+                expand, out_factor = _expansion(model, gen)
+                rows_in = sum(sizes)
+                hook = model.register_forward_pre_hook(
+                    _batch_check(self._controllers.slot, rows_in * expand, rows_in, expand), with_kwargs=True
+                )
 
                 def call():
-                    return model.generate(**inputs, **gen)
+                    try:
+                        return model.generate(**inputs, **gen)
+                    finally:
+                        hook.remove()
             else:
+                kwargs = {**inputs, **spec.model_kwargs}
+                padded = not bool(inputs["attention_mask"].all())
+                if padded and "position_ids" not in kwargs and _takes(model, "position_ids"):
+                    # learned absolute positions (GPT-2) must count from each row's first real token
+                    kwargs["position_ids"] = position_ids(inputs["attention_mask"])
 
                 def call():
                     return model(**kwargs)
@@ -220,14 +242,71 @@ class LocalEngine(Engine):
             def call():
                 return model(*args, **mk)
 
-        batch_size = sum(sizes)
+        batch_size = sum(sizes) * expand
         if len(given) == 1 and len(invokes) == 1:
-            return call, [None], batch_size, prompt_len
+            return call, [None], [None], batch_size, prompt_len
+        rows: list[tuple[int, int] | None] = [None] * len(invokes)
+        out_rows: list[tuple[int, int] | None] = [None] * len(invokes)
         start = 0
         for i, n in zip(given, sizes):
-            rows[i] = (start, start + n)
+            rows[i] = (start * expand, (start + n) * expand)
+            out_rows[i] = (start * out_factor, (start + n) * out_factor)
             start += n
-        return call, rows, batch_size, prompt_len
+        return call, rows, out_rows, batch_size, prompt_len
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    """Whether the model's forward has a parameter ``name`` (its class's, whatever is installed)."""
+    try:
+        return name in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _limits(model: nn.Module) -> tuple[int | None, int | None]:
+    """The model's vocabulary size (rows of its input embedding) and number of positions."""
+    vocab = None
+    try:
+        emb = model.get_input_embeddings()
+        vocab = int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else None
+    except (AttributeError, NotImplementedError):
+        pass
+    if vocab is None:
+        vocab = getattr(model.config, "vocab_size", None)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    return vocab, positions if isinstance(positions, int) and positions > 0 else None
+
+
+def _expansion(model: nn.Module, gen: dict) -> tuple[int, int]:
+    """How many rows ``generate`` runs per prompt (beams, or sequences sampled per prompt) and how
+    many sequences it returns per prompt, from the model's generation config and ``gen``."""
+    base = gen.get("generation_config") or getattr(model, "generation_config", None)
+    if base is None:
+        return 1, 1
+    config = copy.deepcopy(base)
+    config.update(**{k: v for k, v in gen.items() if k != "generation_config"})
+    beams = int(getattr(config, "num_beams", 1) or 1)
+    sequences = int(getattr(config, "num_return_sequences", 1) or 1)
+    return max(beams, sequences), sequences
+
+
+def _batch_check(slot: Any, expected: int, prompts: int, expand: int):
+    """A pre-hook on the root that refuses a generation step whose batch is not the one the
+    invokes' rows were laid out for (a generation mode that reshapes the batch another way)."""
+
+    def check(module: nn.Module, args: tuple, kwargs: dict):
+        if slot.bypass:  # a block calling the model itself
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() and ids.shape[0] != expected:
+            raise AsyncppError(
+                f"generate ran a batch of {ids.shape[0]} rows, but asyncpp laid out {expected} "
+                f"({prompts} prompts x {expand} rows each) for the invokes' blocks: this generation "
+                f"mode changes the batch in a way asyncpp does not support"
+            )
+        return None
+
+    return check
 
 
 _engines: weakref.WeakKeyDictionary[nn.Module, LocalEngine] = weakref.WeakKeyDictionary()

@@ -37,7 +37,11 @@ def token_rows(value: Any, tokenizer: Any, where: str) -> list[list[int]]:
         if value.dim() == 2:
             return value.tolist()
         raise InputError(f"{where}: token ids must be 1-D or 2-D, got shape {tuple(value.shape)}")
-    if isinstance(value, (list, tuple)) and value:
+    if isinstance(value, (list, tuple)) and not value:
+        raise InputError(
+            f"{where}: the prompt is empty (an empty list of token ids); give it at least one token"
+        )
+    if isinstance(value, (list, tuple)):
         if all(isinstance(v, int) for v in value):
             return [list(value)]
         if all(isinstance(v, str) for v in value):
@@ -48,6 +52,43 @@ def token_rows(value: Any, tokenizer: Any, where: str) -> list[list[int]]:
         f"{where}: cannot use {type(value).__name__} as a prompt; pass a string, a list of token ids "
         f"or a tensor of token ids"
     )
+
+
+def check_prompts(
+    rows: list[list[int]], where: str, vocab: int | None, positions: int | None, new_tokens: int = 0
+) -> None:
+    """Refuse, before the model runs, prompts it cannot take: empty ones, token ids outside its
+    vocabulary, and prompts (plus the tokens to generate) longer than its position range."""
+    for k, r in enumerate(rows):
+        label = where if len(rows) == 1 else f"{where}, prompt {k}"
+        if not r:
+            raise InputError(f"{label}: the prompt is empty; give it at least one token")
+        if vocab is not None:
+            low, high = min(r), max(r)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise InputError(
+                    f"{label}: token id {bad} (at position {r.index(bad)}) is outside the model's "
+                    f"vocabulary of {vocab} ids (0..{vocab - 1})"
+                )
+        if positions is not None and len(r) + new_tokens > positions:
+            if new_tokens:
+                raise InputError(
+                    f"{label}: the prompt has {len(r)} tokens and {new_tokens} are to be generated, "
+                    f"{len(r) + new_tokens} in all, but the model has {positions} positions "
+                    f"(max_position_embeddings); shorten the prompt or lower max_new_tokens"
+                )
+            raise InputError(
+                f"{label}: the prompt has {len(r)} tokens, but the model has {positions} positions "
+                f"(max_position_embeddings); shorten the prompt"
+            )
+
+
+def position_ids(mask: Tensor) -> Tensor:
+    """Position ids of left-padded rows: each row's first real token is at position 0 (as when
+    it runs alone); padding gets 0."""
+    pos = mask.cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 0)
 
 
 def lm_batch(rows: list[list[int]], pad_id: int) -> dict[str, Tensor]:
