@@ -1,0 +1,89 @@
+"""Beam search and several sequences per prompt on the local engine: an invoke's rows are its beams
+(or its sequences), its blocks see and edit only those, and its handle holds all of its sequences."""
+
+from __future__ import annotations
+
+import torch
+
+import asyncpp
+
+A = "The quick brown fox"
+B = "Hello"
+
+
+def ids(tok, text):
+    return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+
+
+def plain(model, tok, text, **kw):
+    x = ids(tok, text)
+    with torch.no_grad():
+        out = model.generate(x, do_sample=False, pad_token_id=256, **kw)
+    return out[:, x.shape[1] :]
+
+
+async def rows_seen(m):
+    return [(await m.logits).shape[0] async for _ in m.steps()]
+
+
+async def steer(m, vec):
+    async for _ in m.steps():
+        out = await m.model.layers[1].output
+        out[:, -1] += vec
+
+
+def test_beam_search_rows_are_the_invokes_beams(tiny, engine):
+    model, tok = tiny
+    kw = {"num_beams": 3, "max_new_tokens": 5}
+    with asyncpp.generate(engine, **kw) as t:
+        a = t.invoke(A, rows_seen)
+        b = t.invoke(B, rows_seen)
+    assert a.result == [3] * len(a.result) and b.result == [3] * len(b.result)
+    assert a.tokens.tolist() == plain(model, tok, A, **kw).tolist()
+    assert b.tokens.tolist() == plain(model, tok, B, **kw).tolist()
+
+
+def test_steering_one_invokes_beams_leaves_the_other_alone(tiny, engine):
+    model, tok = tiny
+    torch.manual_seed(3)
+    vec = torch.randn(128) * 8
+    kw = {"num_beams": 3, "max_new_tokens": 5}
+
+    async def idle(m):
+        async for _ in m.steps():
+            await m.model.layers[1].output
+
+    with asyncpp.generate(engine, **kw) as t:
+        steered = t.invoke(A, steer, vec)
+        other = t.invoke(B, idle)
+    assert other.tokens.tolist() == plain(model, tok, B, **kw).tolist()
+    assert steered.tokens.tolist() != plain(model, tok, A, **kw).tolist()  # the steering took effect
+    with asyncpp.generate(engine, **kw) as t:
+        alone = t.invoke(A, steer, vec)
+    assert steered.tokens.tolist() == alone.tokens.tolist()
+
+
+def test_several_sequences_per_prompt_go_to_their_own_invoke(tiny, engine):
+    model, tok = tiny
+    kw = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 4}
+    with asyncpp.generate(engine, **kw) as t:
+        a = t.invoke(A, rows_seen)
+        b = t.invoke(B, rows_seen)
+    assert a.tokens.shape[0] == 2 and b.tokens.shape[0] == 2
+    assert a.tokens.tolist() == plain(model, tok, A, **kw).tolist()
+    assert b.tokens.tolist() == plain(model, tok, B, **kw).tolist()
+    assert t.output.shape[0] == 4
+
+
+def test_sampled_sequences_per_prompt_are_the_invokes_rows(engine):
+    kw = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 3, "top_k": 0}
+
+    async def last_rows(m):
+        return (await m.logits).shape[0]
+
+    with asyncpp.generate(engine, **kw) as t:
+        a = t.invoke(A, last_rows)
+        b = t.invoke([[1, 2], [3, 4]], last_rows)  # two prompts: six sequences
+    assert a.result == 3 and b.result == 6
+    assert a.tokens.shape == (3, 3) and b.tokens.shape == (6, 3)
+    torch.testing.assert_close(torch.cat([a.tokens, b.tokens]), t.output[:, -3:])
