@@ -16,6 +16,7 @@ from torch import nn
 
 from ..engines.base import Deferred, Engine, InvokeSpec, RunOutcome, RunSpec
 from ..kernel.errors import AsyncppError
+from ..kernel.interleaver import active_interleaver
 from ..locations.validate import check_block_paths
 
 _PENDING = object()
@@ -130,6 +131,14 @@ class Trace:
     # --- async entry -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Trace:
+        kernel = active_interleaver()
+        if kernel is not None and kernel.current is not None:
+            raise AsyncppError(
+                "`async with asyncpp.trace(...)` cannot be used inside an intervention block: blocks "
+                "run inside the model's forward pass, on the model's thread, where no event loop runs. "
+                "Start the second trace after this one (from your own code), add its invokes to this "
+                "trace, or, for another model, use a plain `with asyncpp.trace(other_model)` in the block"
+            )
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
