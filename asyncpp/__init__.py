@@ -27,6 +27,7 @@ from .kernel.errors import (
     PathError,
     WriteError,
 )
+from .kernel.grad import backward
 from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location
@@ -80,6 +81,7 @@ __all__ = [
     "Trace",
     "VllmEngine",
     "WriteError",
+    "backward",
     "gather",
     "generate",
     "pull",

@@ -62,6 +62,7 @@ class Engine(ABC):
     """Runs a model with intervention blocks attached. Subclasses: local torch models, vLLM."""
 
     tree: Root
+    supports_grad: bool = False  # whether traces with grad=True (and backward passes) run on it
 
     @abstractmethod
     def run(self, spec: RunSpec) -> RunOutcome:

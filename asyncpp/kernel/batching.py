@@ -53,8 +53,11 @@ def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:
     return value
 
 
-def widen(full: Any, new: Any, rows: tuple[int, int] | None, batch: int, where: str) -> Any:
-    """Return ``full`` with the rows ``rows`` replaced by ``new`` (out of place)."""
+def widen(
+    full: Any, new: Any, rows: tuple[int, int] | None, batch: int, where: str, build: bool = True
+) -> Any:
+    """Return ``full`` with the rows ``rows`` replaced by ``new`` (out of place); with
+    ``build=False`` only check that ``new`` fits (raising the same errors), and return None."""
     if new is full:
         return new
     if rows is None:
@@ -76,18 +79,21 @@ def widen(full: Any, new: Any, rows: tuple[int, int] | None, batch: int, where: 
                 f"{where}: the replacement has shape {shape}, but this invoke's rows {a}:{b} of the "
                 f"value have shape {tuple(part.shape)}"
             )
+        if not build:
+            return None
         out = full.clone()
         out[a:b] = new
         return out
     if isinstance(full, (tuple, list)) and isinstance(new, (tuple, list)):
         if len(full) != len(new):
             raise WriteError(f"{where}: the replacement has {len(new)} elements, the value has {len(full)}")
-        items = [widen(f, n, rows, batch, f"{where}[{i}]") for i, (f, n) in enumerate(zip(full, new))]
-        return _rebuild(full, items)
+        items = [widen(f, n, rows, batch, f"{where}[{i}]", build) for i, (f, n) in enumerate(zip(full, new))]
+        return _rebuild(full, items) if build else None
     if isinstance(full, dict) and isinstance(new, dict):
         if full.keys() != new.keys():
             raise WriteError(f"{where}: the replacement's keys {list(new)} differ from {list(full)}")
-        return _rebuild(full, {k: widen(full[k], new[k], rows, batch, f"{where}[{k!r}]") for k in full})
+        items = {k: widen(full[k], new[k], rows, batch, f"{where}[{k!r}]", build) for k in full}
+        return _rebuild(full, items) if build else None
     if new is not full and not _same_leaf(full, new):
         raise WriteError(
             f"{where}: this value is shared by the whole batch; an invoke that owns only rows "

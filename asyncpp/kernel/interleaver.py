@@ -26,11 +26,29 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from . import batching, traps
-from .errors import ForeignAwaitError, InternalError, NeverReachedError, OrderError, WriteError
-from .traps import GATHER, INPUT, INPUTS, KIND_NAMES, OUTPUT, PULL, READ, SKIP, SLOT, STEP, WRITE, Read
+import torch
+
+from . import batching, grad, traps
+from .errors import AsyncppError, ForeignAwaitError, InternalError, NeverReachedError, OrderError, WriteError
+from .traps import (
+    BACKWARD,
+    GATHER,
+    GRAD,
+    INPUT,
+    INPUTS,
+    KIND_NAMES,
+    OUTPUT,
+    PULL,
+    READ,
+    SKIP,
+    SLOT,
+    STEP,
+    WRITE,
+    Read,
+)
 
 PARKED = object()  # a handler parked the block
+_RUN_BACKWARD = object()  # a handler parked the block and its backward pass is to run now
 MISS = object()  # an intercept declined to serve a location
 END = object()  # sent to a step gate when generation has ended
 _NOTHING = object()
@@ -69,6 +87,8 @@ class Block:
         "req_step",
         "req_rows",
         "ended",
+        "seen",
+        "session",
     )
     # state: the block's torch thread-local state (a BlockState of the switch), or None
 
@@ -87,6 +107,8 @@ class Block:
         self.req_step = -1  # generation steps of its request begun so far, minus one
         self.req_rows: tuple[int, int] | None = rows  # its rows of request-level values (logits)
         self.ended = False  # its generation is over: step loops end, waits cannot be served
+        self.seen: dict | None = None  # gradient runs: the values it was served, for loc.grad
+        self.session: Any = None  # its open asyncpp.backward(...) session
 
     def where(self) -> str:
         """File and line where the block is suspended."""
@@ -114,7 +136,7 @@ class _GatherState:
 class _Visit:
     """The module visit being served: its current (possibly replaced) values."""
 
-    __slots__ = ("index", "n", "stage", "args", "kwargs", "out", "skip")
+    __slots__ = ("index", "n", "stage", "args", "kwargs", "out", "skip", "parts")
 
     def __init__(self, index: int, n: int, stage: int, args=(), kwargs=None, out=None):
         self.index = index
@@ -124,6 +146,7 @@ class _Visit:
         self.kwargs = kwargs
         self.out = out
         self.skip = _NOTHING
+        self.parts: dict | None = None  # gradient runs: kind -> grad.RowParts cut at this visit
 
     def get(self, kind: int) -> Any:
         if kind == OUTPUT:
@@ -167,6 +190,7 @@ class _FastVisit(_Visit):
         self.slot = slot
         self.index, self.n, self.stage = slot.visit_index, slot.visit_n, OUTPUT
         self.args, self.kwargs, self.skip = (), None, _NOTHING
+        self.parts = None
 
     @property
     def out(self) -> Any:  # type: ignore[override]
@@ -175,6 +199,14 @@ class _FastVisit(_Visit):
     @out.setter
     def out(self, value: Any) -> None:
         self.slot.visit_out = value
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether a visit's value is still the one pieces were cut from (``inputs`` is rebuilt as a
+    fresh ``(args, kwargs)`` pair each time it is read)."""
+    if a is b:
+        return True
+    return type(a) is tuple and type(b) is tuple and len(a) == len(b) == 2 and a[0] is b[0] and a[1] is b[1]
 
 
 def _stage(kind: int) -> int:
@@ -219,6 +251,7 @@ class Interleaver:
         "shard_in",
         "copy_after",
         "on_pull",
+        "grad",
         "__weakref__",
     )
 
@@ -231,6 +264,7 @@ class Interleaver:
         switch: Any = None,
         slot: Any = None,
         tls_template: Any = None,
+        grad: bool = False,
     ):
         n = len(names)
         self.names = names  # module path per module index
@@ -281,6 +315,9 @@ class Interleaver:
         # pipeline parallel engines: ``await`` of a cross-stage value (block, pull trap) -> value,
         # _Throw, or PARKED (the stage resumes the block at a serve point, through wake + serve)
         self.on_pull: Callable[[Block, Any], Any] | None = None
+        # gradient runs (local engine, grad=True): invokes' rows are cut inside the autograd graph,
+        # served values are kept per block for loc.grad, and blocks may run backward passes
+        self.grad = grad
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
@@ -336,6 +373,7 @@ class Interleaver:
             outer_bypass = slot.bypass
             slot.bypass = True
         coro = block.coro
+        run_backward = False
         try:
             while True:
                 if msg is _NOTHING:
@@ -364,10 +402,18 @@ class Interleaver:
                     value = self._on_gather(block, msg)
                 elif trap == PULL and self.on_pull is not None:
                     value = self.on_pull(block, msg)
+                elif trap == GRAD:
+                    value = self._on_grad(block, msg)
+                elif trap == BACKWARD:
+                    value = self._on_backward(block, msg)
                 else:
                     value = _Throw(_foreign(msg))
                 if value is PARKED:
                     block.waiting = msg
+                    return
+                if value is _RUN_BACKWARD:
+                    block.waiting = msg
+                    run_backward = True
                     return
                 msg = _NOTHING
                 if type(value) is _Throw:
@@ -378,6 +424,8 @@ class Interleaver:
             if state is not None:
                 self._leave(state)
             self.current = prev
+            if run_backward:  # with the forward's state back, outside the block's frame
+                self._run_backward(block)
 
     def wake(self, block: Block, value: Any, gather: _GatherState | None = None, slot: int = 0) -> None:
         """Make a parked block runnable (a slot was set). It runs in the current visit's loop, or
@@ -616,7 +664,7 @@ class Interleaver:
         self.position = (index, OUTPUT, n)
         if lst is None:
             return out
-        if len(lst) == 1 and self.serving is None and self.publish is None:
+        if len(lst) == 1 and self.serving is None and self.publish is None and not self.grad:
             # the common case: one plain read of this very call, by a block that sees the batch
             order, block, trap, step, occ, gather, _ = lst[0]
             if occ == n and step == self.step and gather is None and block.rows is None:
@@ -647,6 +695,8 @@ class Interleaver:
                 self.serve()
         finally:
             self.serving = prev
+        if v.parts is not None:
+            self._rebuild(v)
         if self.publish is not None and due:
             self.publish(index, OUTPUT, n, v.out, due)
         out = v.out if shard is None else shard.split(v.out, out)
@@ -666,6 +716,8 @@ class Interleaver:
                 self.serve()
         finally:
             self.serving = prev
+        if v.parts is not None:
+            self._rebuild(v)
         if self.publish is not None:
             for kind, due in served:
                 if due:
@@ -714,6 +766,12 @@ class Interleaver:
         value = v.out if trap.kind == OUTPUT else v.get(trap.kind)
         if v.index in self.request_level:
             value = batching.narrow(value, block.req_rows, self.req_batch)
+        elif self.grad:
+            if block.rows is not None:
+                value = self._parts(v, trap.kind, value).get(block.rows)
+            if block.seen is None:
+                block.seen = {}
+            block.seen[(trap.key, self.step, v.n)] = value
         elif block.rows is not None:
             value = batching.narrow(value, block.rows, self.batch_size)
         if trap.keys:
@@ -737,8 +795,195 @@ class Interleaver:
             rows, batch = block.req_rows, self.req_batch
         else:
             rows, batch = block.rows, self.batch_size
+        if self.grad and rows is not None:
+            self._write_rows(block, v, target, write.value, current, where)
+            return
         new = batching.put_at(current, target.keys, write.value, rows, batch, where)
         v.set(target.kind, new, where)
+        if self.grad and not target.keys and block.seen is not None:
+            block.seen[(target.key, self.step, v.n)] = new  # the value the model goes on with
+
+    # ----------------------------------------------------------------------------------------
+    # gradient runs (see .grad): rows cut inside the graph, backward passes blocks drive
+
+    def _parts(self, v: _Visit, kind: int, value: Any) -> grad.RowParts:
+        """The row pieces of ``v``'s value of ``kind``, cut afresh if the value was replaced."""
+        parts = v.parts
+        if parts is None:
+            parts = v.parts = {}
+        p = parts.get(kind)
+        if p is None or not _same_value(p.base, value):
+            p = parts[kind] = grad.RowParts(value, self.batch_size)
+        return p
+
+    def _write_rows(self, block: Block, v: _Visit, target: Read, new: Any, current: Any, where: str) -> None:
+        """A write by an invoke that owns rows, in a gradient run: its piece is replaced (or edited
+        in place, for a sub-location), and the model goes on with the pieces put back together."""
+        rows = block.rows
+        part = self._parts(v, target.kind, current)
+        if target.keys:
+            batching.put_at(part.get(rows), target.keys, new, None, self.batch_size, where)
+            return
+        batching.widen(current, new, rows, self.batch_size, where, build=False)  # the checks only
+        part.pieces[rows] = new
+        if block.seen is not None:
+            block.seen[(target.key, self.step, v.n)] = new  # the value the model goes on with
+
+    def _rebuild(self, v: _Visit) -> None:
+        for kind in (INPUT, INPUTS, OUTPUT):
+            p = v.parts.get(kind)
+            if p is not None and p.pieces and _same_value(p.base, v.get(kind)):
+                v.set(kind, p.rebuild(), "")
+        v.parts = None
+
+    def _on_backward(self, block: Block, session: grad.Backward):
+        if session.op == "open":
+            if not self.grad:
+                return _Throw(
+                    AsyncppError(
+                        "asyncpp.backward() needs a trace with gradients: asyncpp.trace(engine, grad=True) "
+                        "on a LocalEngine (vLLM runs the model under inference mode, without gradients)"
+                    )
+                )
+            if block.session is not None:
+                return _Throw(AsyncppError("a block can drive one asyncpp.backward(...) at a time"))
+            if session.state != "new":
+                return _Throw(AsyncppError("this asyncpp.backward(...) was already used; make a new one"))
+            session.state, session.block = "open", block
+            block.session = session
+            return session
+        # closing: run the pass if nothing in the body did, or wait until the running one ends
+        if block.session is not session:
+            return None
+        if session.state == "open":
+            return _RUN_BACKWARD
+        if session.state == "running":
+            return PARKED  # resumed by _run_backward when the pass ends
+        block.session = None
+        return None
+
+    def _on_grad(self, block: Block, wait: grad.GradWait):
+        if wait.replace:
+            try:
+                block.writes.remove(wait)
+            except ValueError:
+                pass
+        session = block.session
+        what = wait.describe()
+        if session is None or session.state == "done":
+            return _Throw(
+                AsyncppError(
+                    f"{what} can only be awaited inside `async with asyncpp.backward(loss):` in the "
+                    f"block that awaited {wait.target.describe()} in the forward"
+                )
+            )
+        target = wait.target
+        seen = None if block.seen is None else block.seen.get((target.key, block.step, target.occ))
+        if seen is None:
+            return _Throw(
+                AsyncppError(
+                    f"{what}: the block did not await {target.describe()} in the forward; await the "
+                    f"location first (its value is what the gradient is taken with respect to)"
+                )
+            )
+        tensor, rest = grad.split_keys(seen, target.keys)
+        if not isinstance(tensor, torch.Tensor):
+            return _Throw(AsyncppError(f"{what}: the value there is a {type(tensor).__name__}, not a tensor"))
+        tid = id(tensor)
+        serving = session.serving
+        if serving is not None and serving[0] == tid:  # the gradient being served right now
+            return self._grad_now(session, wait, serving[1], rest)
+        if tid in session.fired:
+            return _Throw(
+                OrderError(
+                    f"{what} has already passed in this backward pass: await gradients in the order "
+                    f"the backward reaches them, from the loss back towards the inputs"
+                )
+            )
+        session.waiting = (tid, wait, rest)
+        return _RUN_BACKWARD if session.state == "open" else PARKED
+
+    def _grad_now(self, session: grad.Backward, wait: grad.GradWait, gradient: Any, rest: tuple):
+        """Serve ``wait`` with the gradient arriving now (the value the hook will pass on)."""
+        current = gradient if session.replacement is None else session.replacement
+        if not wait.replace:
+            return batching.get_item(current, rest) if rest else current
+        where = wait.describe()
+        new = wait.value
+        if rest:
+            current = current.clone()
+            current[rest if len(rest) > 1 else rest[0]] = new
+            new = current
+        elif not isinstance(new, torch.Tensor) or new.shape != gradient.shape:
+            shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+            return _Throw(
+                WriteError(
+                    f"{where}: the replacement has shape {shape}, the gradient {tuple(gradient.shape)}"
+                )
+            )
+        session.replacement = new
+        return None
+
+    def _run_backward(self, block: Block) -> None:
+        """Run the backward pass of ``block``'s session; hooks on the values it awaited resume it."""
+        session = block.session
+        session.state = "running"
+        targets: dict[int, torch.Tensor] = {}
+        for value in (block.seen or {}).values():
+            for t in grad.tensors_of(value):
+                if t.requires_grad:
+                    targets[id(t)] = t
+        handles = [t.register_hook(self._grad_hook(session, tid)) for tid, t in targets.items()]
+        error: BaseException | None = None
+        try:
+            torch.autograd.backward(
+                session.loss, session.gradient, retain_graph=session.retain_graph, inputs=session.inputs
+            )
+        except Exception as err:
+            error = err
+        finally:
+            for h in handles:
+                h.remove()
+        session.state = "done"
+        if error is None and session.error is not None:
+            error = session.error
+        if block.done:
+            return
+        waiting = block.waiting
+        block.waiting = None
+        if getattr(waiting, "TRAP", None) == GRAD:
+            session.waiting = None
+            if error is None:
+                error = NeverReachedError(
+                    f"{waiting.describe()} was never reached: the backward pass of the loss (from "
+                    f"{session.line}) ended without a gradient for it (the loss does not depend on it)"
+                )
+        elif waiting is session:
+            block.session = None
+        elif error is None:
+            return  # parked elsewhere (a forward location): nothing to resume here
+        self._resume(block, None, error)
+
+    def _grad_hook(self, session: grad.Backward, tid: int):
+        def hook(gradient: torch.Tensor):
+            session.fired.add(tid)
+            w = session.waiting
+            if w is None or w[0] != tid or session.block.done:
+                return None
+            session.waiting = None
+            session.serving, session.replacement = (tid, gradient), None
+            block = session.block
+            try:
+                value = self._grad_now(session, w[1], gradient, w[2])
+                if type(value) is _Throw:
+                    self._resume(block, None, value.exc)
+                else:
+                    self._resume(block, value, None)
+            finally:
+                session.serving = None
+            return session.replacement
+
+        return hook
 
     # ----------------------------------------------------------------------------------------
     # generation steps
@@ -852,6 +1097,7 @@ class Interleaver:
         except BaseException as close_err:  # a finally that awaits again
             err = close_err
         block.done = True
+        block.seen = block.session = None
         if block.error is None:
             block.error = err
 
@@ -868,11 +1114,13 @@ class Interleaver:
     def _complete(self, block: Block, value: Any) -> None:
         block.done = True
         self._unpark(block)
+        block.seen = block.session = None
         if block.writes:
             w = block.writes[0]
+            name = w.describe() if w.TRAP == GRAD else w.target.describe()
             block.error = WriteError(
-                f"{w.target.describe()}.set(...) at {w.line} was never awaited, so nothing was "
-                f"written: write `await {w.target.describe().split(' ')[0]}.set(value)`"
+                f"{name}.set(...) at {w.line} was never awaited, so nothing was "
+                f"written: write `await {name.split(' ')[0]}.set(value)`"
             )
             return
         try:
@@ -883,6 +1131,7 @@ class Interleaver:
     def _fail(self, block: Block, err: BaseException) -> None:
         block.done = True
         self._unpark(block)
+        block.seen = block.session = None
         block.error = err.with_traceback(_user_traceback(err.__traceback__))
 
     # ----------------------------------------------------------------------------------------
@@ -946,7 +1195,7 @@ class Interleaver:
         return NeverReachedError(msg)
 
 
-_KERNEL_FILES = (__file__, traps.__file__)
+_KERNEL_FILES = (__file__, traps.__file__, grad.__file__)
 
 
 def _user_traceback(tb):

@@ -21,6 +21,7 @@ KIND_NAMES = ("input", "inputs", "output", "skip")
 
 # trap tags
 READ, WRITE, STEP, SLOT, GATHER, PULL = range(6)  # PULL: a cross-stage value (asyncpp.pp)
+BACKWARD, GRAD = 6, 7  # a backward pass a block drives, and a gradient at a location (kernel.grad)
 
 
 class Read:

@@ -177,13 +177,25 @@ def _engine_for(target: Engine | nn.Module) -> Engine:
     raise TypeError(f"trace() needs an asyncpp engine or a torch.nn.Module, got {type(target).__name__}")
 
 
+def _check_grad(engine: Engine, grad: bool) -> None:
+    if grad and not engine.supports_grad:
+        raise AsyncppError(
+            f"gradients are not available on a {type(engine).__name__}: it runs the model under "
+            f"torch.inference_mode(), which records no autograd graph. Take gradients on a "
+            f"LocalEngine (asyncpp.trace(local_engine, grad=True))"
+        )
+
+
 def trace(target: Engine | nn.Module, *, grad: bool = False, **model_kwargs: Any) -> Trace:
     """A trace of one forward pass on ``target`` (an engine or a ``torch.nn.Module``).
 
-    :param grad: run the forward with autograd enabled (default: ``torch.no_grad()``).
+    :param grad: run the forward with autograd enabled (default: ``torch.no_grad()``); blocks may
+        then take gradients of what they awaited and drive backward passes (``asyncpp.backward``).
     :param model_kwargs: extra keyword arguments for the model call.
     """
-    t = Trace(_engine_for(target), RunSpec([], grad=grad, model_kwargs=model_kwargs))
+    engine = _engine_for(target)
+    _check_grad(engine, grad)
+    t = Trace(engine, RunSpec([], grad=grad, model_kwargs=model_kwargs))
     t._target = target  # a module's shared engine holds it weakly: the trace keeps it alive
     return t
 
@@ -198,6 +210,8 @@ def generate(
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     spec = RunSpec([], generate=True, max_new_tokens=max_new_tokens, grad=grad, model_kwargs=generate_kwargs)
-    t = Trace(_engine_for(target), spec)
+    engine = _engine_for(target)
+    _check_grad(engine, grad)
+    t = Trace(engine, spec)
     t._target = target
     return t

@@ -67,6 +67,8 @@ class LocalEngine(Engine):
     :param tokenizer: turns string prompts into token ids (optional).
     """
 
+    supports_grad = True
+
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, _cached: bool = False):
         self._model = weakref.ref(model)
         self.tokenizer = tokenizer
@@ -142,6 +144,7 @@ class LocalEngine(Engine):
             switch=switch,
             slot=self._controllers.slot,
             tls_template=None if switch is None else self._tls_template(switch, spec.grad),
+            grad=spec.grad,
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         lock = self._lock
@@ -153,6 +156,8 @@ class LocalEngine(Engine):
             )
         with lock:
             self._controllers.install(kernel)
+            if spec.grad:  # served values must be kept per block (kernel.grad): no native fast path
+                self._controllers.slot.fast = False
             try:
                 with kernel.active(), torch.set_grad_enabled(spec.grad):
                     for order, inv in enumerate(spec.invokes):

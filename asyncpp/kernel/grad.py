@@ -1,0 +1,217 @@
+"""Gradients in traces with ``grad=True``: per-invoke rows inside the autograd graph, and backward
+passes a block starts, whose gradients it awaits at locations.
+
+Rows. Narrowing a value after the module ran (``out[a:b]``) gives a view the model never uses, so
+no gradient of anything the model computes next reaches it. In a gradient run each invoke's rows of
+a served value are therefore cut where the value is produced (:class:`RowParts`), and the model
+goes on with those very pieces put back together (``torch.cat``): every block's rows, its in-place
+edits and its replacements are on the graph, and a block that sees the whole batch still holds the
+original tensor, which the pieces are views of.
+
+Backward. ``async with asyncpp.backward(loss):`` opens a session; the first ``await loc.grad``
+inside it parks the block and the interleaver runs the backward pass, outside the block's frame.
+Hooks on the values the block awaited in the forward resume it when their gradient arrives, in the
+order the backward reaches them; ``await loc.grad.set(g)`` replaces the gradient flowing on. The
+block's code runs between hook calls, as it runs between module calls in the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .batching import _rebuild, narrow
+from .errors import AsyncppError
+from .traps import BACKWARD, GRAD
+
+# ------------------------------------------------------------------------------------------------
+# rows inside the graph
+
+
+class RowParts:
+    """The pieces invokes took of one value at one visit (kind), keyed by their rows."""
+
+    __slots__ = ("base", "pieces", "batch")
+
+    def __init__(self, base: Any, batch: int):
+        self.base = base  # the value the pieces were cut from
+        self.pieces: dict[tuple[int, int], Any] = {}
+        self.batch = batch
+
+    def get(self, rows: tuple[int, int]) -> Any:
+        piece = self.pieces.get(rows)
+        if piece is None:
+            piece = self.pieces[rows] = narrow(self.base, rows, self.batch)
+        return piece
+
+    def rebuild(self) -> Any:
+        """The value with every invoke's piece in its rows, for the model to go on with."""
+        if not self.pieces:
+            return self.base
+        return _reassemble(self.base, sorted(self.pieces.items()), self.batch)
+
+
+def _reassemble(full: Any, parts: list, batch: int) -> Any:
+    if isinstance(full, Tensor):
+        if not (full.dim() and full.shape[0] == batch):
+            return full
+        if not full.requires_grad and all(
+            _is_view(full, rows, p) and not p.requires_grad for rows, p in parts
+        ):
+            return full  # nothing to differentiate, and nothing replaced
+        pieces, pos = [], 0
+        for (a, b), p in parts:
+            if a > pos:
+                pieces.append(full[pos:a])
+            pieces.append(p)
+            pos = b
+        if pos < batch:
+            pieces.append(full[pos:])
+        return torch.cat(pieces)
+    if isinstance(full, dict):
+        return _rebuild(
+            full, {k: _reassemble(v, [(r, p[k]) for r, p in parts], batch) for k, v in full.items()}
+        )
+    if isinstance(full, (tuple, list)):
+        return _rebuild(
+            full, [_reassemble(v, [(r, p[i]) for r, p in parts], batch) for i, v in enumerate(full)]
+        )
+    return full
+
+
+def _is_view(full: Tensor, rows: tuple[int, int], p: Any) -> bool:
+    if not isinstance(p, Tensor):
+        return False
+    a, b = rows
+    return p.data_ptr() == full[a:b].data_ptr() and p.shape == full[a:b].shape
+
+
+# ------------------------------------------------------------------------------------------------
+# the traps of a backward session
+
+
+class Backward:
+    """``async with asyncpp.backward(loss):``: a backward pass the block starts. Entering opens the
+    session (no wait); the first ``await loc.grad`` in it runs the pass; leaving waits for the pass
+    to end (and runs it, if nothing in the body did)."""
+
+    TRAP = BACKWARD
+    __slots__ = (
+        "loss",
+        "gradient",
+        "retain_graph",
+        "inputs",
+        "op",
+        "state",
+        "block",
+        "waiting",
+        "fired",
+        "serving",
+        "replacement",
+        "error",
+        "line",
+    )
+
+    def __init__(self, loss: Any, gradient: Any, retain_graph: bool, inputs: Any, line: str):
+        self.loss = loss
+        self.gradient = gradient
+        self.retain_graph = retain_graph
+        self.inputs = inputs
+        self.line = line
+        self.op = "open"  # what the block asks when it yields this object: "open" or "close"
+        self.state = "new"  # new -> open -> running -> done
+        self.block: Any = None
+        self.waiting: Any = None  # the GradWait the block is parked on during the pass
+        self.fired: set[int] = set()  # ids of the tensors whose gradient has arrived
+        self.serving: tuple[int, Any] | None = None  # (tensor id, gradient) being served now
+        self.replacement: Any = None
+        self.error: BaseException | None = None
+
+    async def __aenter__(self) -> Backward:
+        if self.state != "new":
+            raise AsyncppError("this asyncpp.backward(...) was already used; make a new one")
+        self.op = "open"
+        await self
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.op = "close"
+        await self
+
+    def __await__(self):
+        return (yield self)
+
+    def __repr__(self) -> str:
+        return f"<asyncpp.backward {self.state}>"
+
+
+class GradWait:
+    """``await loc.grad`` (``value is None``) or ``await loc.grad.set(value)``: the gradient
+    flowing through a location the block awaited in the forward."""
+
+    TRAP = GRAD
+    __slots__ = ("target", "grad_keys", "value", "replace", "line", "awaited")
+
+    def __init__(
+        self, target: Any, grad_keys: tuple, value: Any = None, replace: bool = False, line: str = ""
+    ):
+        self.target = target  # the forward location (a Read), with the keys that reach a tensor
+        self.grad_keys = grad_keys  # keys applied to the gradient itself (a slice of it)
+        self.value = value
+        self.replace = replace
+        self.line = line
+        self.awaited = False
+
+    def __await__(self):
+        self.awaited = True
+        return (yield self)
+
+    def describe(self) -> str:
+        name = self.target.describe()
+        for k in self.grad_keys:
+            name += f"[{k!r}]"
+        return name + ".grad"
+
+
+def backward(
+    loss: Tensor, *, gradient: Any = None, retain_graph: bool = True, inputs: Any = None
+) -> Backward:
+    """A backward pass of ``loss`` that the block drives: ``async with asyncpp.backward(loss):``,
+    then ``await loc.grad`` / ``await loc.grad.set(g)`` inside it, in backward order.
+
+    :param gradient: the gradient of ``loss`` (needed when it is not a scalar), as in
+        ``torch.autograd.backward``.
+    :param retain_graph: keep the graph after the pass (default ``True``: a batched trace shares one
+        graph between its invokes, so another invoke, or another pass, may need it).
+    :param inputs: as in ``torch.autograd.backward``: accumulate ``.grad`` only into these leaves
+        (default: all the leaves the loss depends on, the model's parameters included).
+    """
+    import sys
+
+    f = sys._getframe(1)
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"asyncpp.backward() needs a tensor, got {type(loss).__name__}")
+    return Backward(loss, gradient, retain_graph, inputs, f"{f.f_code.co_filename}:{f.f_lineno}")
+
+
+def tensors_of(value: Any) -> list[Tensor]:
+    """The tensors in a served value (inside tuples, lists and dicts)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def split_keys(value: Any, keys: tuple) -> tuple[Any, tuple]:
+    """Follow ``keys`` through containers; return the tensor reached and the keys left (which
+    index that tensor, and so its gradient)."""
+    for i, k in enumerate(keys):
+        if isinstance(value, Tensor):
+            return value, keys[i:]
+        value = value[k]
+    return value, ()
