@@ -236,3 +236,52 @@ def test_gradient_trace_on_a_bare_module_whole_batch(mlp):
     mlp[2:](hidden).sum().backward()
     torch.testing.assert_close(h.result[1], hidden.grad)
     mlp.zero_grad()
+
+
+def test_part_of_a_gradient_read_and_replaced_through_keys(tiny, engine):
+    """loc[:, -1].grad is that part of the gradient; setting it leaves the rest as it was."""
+
+    async def block(m):
+        await m.model.layers[1].output
+        await m.model.layers[2].output
+        loss = (await m.logits)[:, -1, TOKEN].sum()
+        async with asyncpp.backward(loss):
+            whole = (await m.model.layers[2].output.grad).clone()
+            last = await m.model.layers[2].output[:, -1].grad
+            await m.model.layers[2].output[:, -1].grad.set(torch.zeros_like(last))
+            g1 = await m.model.layers[1].output.grad
+        return whole, last, g1
+
+    with asyncpp.trace(engine, grad=True) as t:
+        a = t.invoke(PROMPTS[0], block)
+        t.invoke(PROMPTS[1], block)
+    whole, last, g1 = a.result
+    torch.testing.assert_close(last, whole[:, -1])
+    assert last.abs().max() > 0
+    # reference: the same gradient with the last position's part zeroed at layer 2
+    model, tok = tiny
+    outs = {}
+
+    def keep(i):
+        def hook(mod, args, out):
+            if i == 2:
+
+                def zero_last(g):
+                    g = g.clone()
+                    g[:, -1] = 0
+                    return g
+
+                out.register_hook(zero_last)
+            outs[i] = out
+
+        return hook
+
+    handles = [model.model.layers[i].register_forward_hook(keep(i)) for i in (1, 2)]
+    try:
+        with torch.enable_grad():
+            logits = model(ids(tok, PROMPTS[0])).logits
+            (ref,) = torch.autograd.grad(logits[0, -1, TOKEN], outs[1])
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(g1, ref, rtol=1e-5, atol=1e-6)

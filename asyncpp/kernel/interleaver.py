@@ -910,9 +910,9 @@ class Interleaver:
             return batching.get_item(current, rest) if rest else current
         where = wait.describe()
         new = wait.value
-        if rest:
+        if rest:  # a part of the gradient (loc[:, -1].grad): assigned into a copy of it
             current = current.clone()
-            current[rest if len(rest) > 1 else rest[0]] = new
+            batching.get_item(current, rest[:-1])[rest[-1]] = new
             new = current
         elif not isinstance(new, torch.Tensor) or new.shape != gradient.shape:
             shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
