@@ -8,6 +8,8 @@ its dotted path, computed here once and used in every error, repr and ownership 
 from __future__ import annotations
 
 import difflib
+import inspect
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -66,7 +68,7 @@ class Node:
     def __getattr__(self, name: str) -> Node:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise PathError(_unknown(self, name))
+        raise PathError(_unknown(self, name) + _where())
 
     def __getitem__(self, key: int | str) -> Node:
         if type(key) is int:
@@ -81,7 +83,7 @@ class Node:
         else:
             child = children.get(key)
         if child is None:
-            raise PathError(_unknown(self, str(key)))
+            raise PathError(_unknown(self, str(key)) + _where())
         return child
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -119,6 +121,11 @@ class Root(Node):
         super().__init__("", index, module_type)
         self.__dict__["_aliases"] = dict(aliases or {})
 
+    def __getattr__(self, name: str) -> Node:
+        if name in ("logits", "samples"):  # the property raised (Python then asks here): its error
+            self._alias(name)
+        return super().__getattr__(name)
+
     def steps(self, select: int | range | list[int] | None = None) -> Steps:
         """Iterate generation steps: ``async for step in m.steps(): ...`` (all), ``m.steps(range(2,
         5))``, ``m.steps([0, 3])``. The loop ends when generation ends."""
@@ -139,7 +146,7 @@ class Root(Node):
         if target is None:
             raise PathError(
                 f"this model has no {name} location on this engine (a {self.module_type}); "
-                f"await m.output or a module's output instead"
+                f"await m.output or a module's output instead" + _where()
             )
         if type(target) is tuple:  # (module path, key): an element of that module's output
             path, key = target
@@ -194,6 +201,25 @@ def tree_from_paths(entries: list[tuple[str, str]], aliases: dict[str, str] | No
     if root is None:
         raise ValueError("a module tree needs its root ('') first")
     return root
+
+
+_PACKAGE = tuple(
+    {os.path.dirname(os.path.dirname(p)) + os.sep for p in (__file__, os.path.abspath(__file__))}
+)
+_CO_COROUTINE = inspect.CO_COROUTINE
+
+
+def _where() -> str:
+    """Where a path that does not exist was named, as the static check says it (``\\n  in block
+    name, file:line``): the innermost caller outside asyncpp. Only computed for an error."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f = f.f_back
+    if f is None:
+        return ""
+    code = f.f_code
+    kind = "block " if code.co_flags & _CO_COROUTINE else ""
+    return f"\n  in {kind}{code.co_qualname}, {code.co_filename}:{f.f_lineno}"
 
 
 def _unknown(node: Node, name: str) -> str:

@@ -105,7 +105,9 @@ class Trace:
                 f"invoke() needs an `async def` block taking the model as its first argument; got {what}"
             )
         check_block_paths(block, self.engine.tree)
-        name = getattr(block, "__qualname__", "block")
+        name = getattr(block, "__qualname__", None)
+        if name is None:  # a functools.partial (of a function or a bound method): name what it wraps
+            name = f"partial({getattr(getattr(block, 'func', None), '__qualname__', 'block')})"
         handle = Invoke(len(self._handles), name)
         self._handles.append(handle)
         self._spec.invokes.append(InvokeSpec(input, block, args, kwargs, name))
