@@ -242,3 +242,24 @@ def test_many_models_in_a_row_do_not_accumulate_threads():
     asyncio.run(main())
     assert len(seen) == 12
     _assert_released(refs, seen)
+
+
+def test_close_from_inside_a_block_of_an_async_trace_does_not_hang():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    engine = asyncpp.LocalEngine(model)
+
+    async def block(m):
+        out = await m[0].output
+        engine.close()  # on the engine's own model thread: must not wait for itself
+        return out
+
+    async def main():
+        async with asyncpp.trace(engine) as t:
+            h = t.invoke(torch.ones(1, 4), block)
+        return h.result
+
+    out = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert out.shape == (1, 4)
+    # the engine still works: a later async run starts a new model thread
+    assert asyncio.run(asyncio.wait_for(main(), timeout=30)).shape == (1, 4)
+    engine.close()

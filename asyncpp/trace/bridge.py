@@ -53,11 +53,14 @@ class ModelThread:
         self._jobs.put([fn, post, settle])
 
     def stop(self) -> None:
-        """Let the thread finish the jobs it has and exit."""
-        if self._thread is not None:
+        """Let the thread finish the jobs it has and exit (without waiting for it when called on
+        the thread itself: from a block of one of its runs)."""
+        thread = self._thread
+        if thread is not None:
             self._jobs.put(None)
-            self._thread.join()
             self._thread = None
+            if thread is not threading.current_thread():
+                thread.join()
 
     def stop_soon(self) -> None:
         """Ask the thread to exit after its queued jobs, without waiting."""
