@@ -19,6 +19,7 @@ from .engines.local import LocalEngine
 from .engines.local.inputs import InputError
 from .kernel.errors import (
     AsyncppError,
+    EngineDeadError,
     ForeignAwaitError,
     InternalError,
     MissingAwaitError,
@@ -60,6 +61,7 @@ def gather(*awaitables: Any) -> Gather:
 __all__ = [
     "AsyncppError",
     "Engine",
+    "EngineDeadError",
     "ForeignAwaitError",
     "InternalError",
     "InputError",

@@ -6,6 +6,7 @@ One engine is started for the whole module (vLLM takes 15-30 s to start on this 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -394,3 +395,115 @@ def test_a_prompt_split_across_steps_fails_its_request_clearly():
             pytest.skip("vLLM scheduled every prompt alone: no split to observe")
     finally:
         engine.close()
+
+
+def test_a_prompt_must_leave_room_for_one_token(vllm_engine):
+    async def first_token(m):
+        return int((await m.samples).sampled_token_ids[0, 0])
+
+    longest = 511  # max_model_len=512: the prompt and at least one generated token
+    with asyncpp.trace(vllm_engine) as t:
+        fits = t.invoke([5] * longest, first_token)
+    assert fits.tokens.tolist() == [[fits.result]]
+    for prompt in ([5] * (longest + 1), [5] * 600):
+        with pytest.raises(
+            asyncpp.InputError, match=r"has \d+ tokens.*max_model_len=512.*at most 511"
+        ) as info:
+            with asyncpp.trace(vllm_engine) as t:
+                other = t.invoke("Hello", first_token)
+                t.invoke(prompt, first_token)
+        assert f"has {len(prompt)} tokens" in str(info.value)
+        assert other.tokens is None and not other.done  # refused before anything was sent
+    with pytest.raises(asyncpp.InputError, match="empty"):
+        with asyncpp.trace(vllm_engine) as t:
+            t.invoke("", first_token)
+    assert all(s["requests"] == 0 for s in vllm_engine.worker_stats())
+
+
+QUIET_SCRIPT = """
+import asyncpp
+
+async def block(m):
+    return int((await m.logits).argmax(-1))
+
+if __name__ == "__main__":
+    with asyncpp.VllmEngine() as engine:  # the defaults: bfloat16 weights, vLLM warns per weight
+        with asyncpp.trace(engine) as t:
+            h = t.invoke("Hello", block)
+    print("result", h.result)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_default_engine_prints_one_progress_line(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    script = tmp_path / "quiet.py"
+    script.write_text(QUIET_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "ASYNCPP_VLLM", "PYTHONWARN"))}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=200, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stdout + done.stderr
+    assert done.stdout.splitlines() == [f"result {done.stdout.split()[-1]}"], done.stdout
+    progress = (
+        r"asyncpp: starting vLLM engine on the embedded tiny Llama \(TP=1, PP=1\)\.\.\. ready in \d+\.\d s"
+    )
+    assert re.fullmatch(progress, done.stderr.strip()), done.stderr
+
+
+def test_vllm_logs_opt_in_environment(monkeypatch):
+    from asyncpp.engines.vllm import console
+
+    for key in ("ASYNCPP_VLLM_LOGS", "VLLM_LOGGING_LEVEL", "PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.delenv(key, raising=False)
+    assert console.want_logs(None) is False
+    monkeypatch.setenv("ASYNCPP_VLLM_LOGS", "1")
+    assert console.want_logs(None) is True and console.want_logs(False) is False
+    monkeypatch.delenv("ASYNCPP_VLLM_LOGS")
+    # shown: vLLM's processes start with vLLM's own settings (INFO), only the choice is passed on
+    with console.starting_env(True):
+        assert os.environ["ASYNCPP_VLLM_LOGS"] == "1"
+        assert "VLLM_LOGGING_LEVEL" not in os.environ and "PYTHONWARNINGS" not in os.environ
+    # quiet: errors only, set while the engine starts and restored after
+    monkeypatch.setenv("PYTHONWARNINGS", "error::UserWarning")
+    with console.starting_env(False):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+        assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+        assert os.environ["PYTHONWARNINGS"].startswith("error::UserWarning,ignore::FutureWarning:vllm.")
+    assert "VLLM_LOGGING_LEVEL" not in os.environ and "ASYNCPP_VLLM_LOGS" not in os.environ
+    assert os.environ["PYTHONWARNINGS"] == "error::UserWarning"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the user's own level wins
+    with console.starting_env(False):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+@pytest.mark.timeout(60)
+def test_stderr_filter_drops_only_the_known_lines_of_child_processes(capfd):
+    import subprocess
+    import sys
+
+    from asyncpp.engines.vllm import console
+
+    dropped = console.DROPPED_LINES[0].decode()
+    child = (
+        "import sys, time\n"
+        f"print({dropped!r}, file=sys.stderr, flush=True)\n"
+        "print('kept: an error', file=sys.stderr, flush=True)\n"
+        "sys.stderr.write('partial line'); sys.stderr.flush()\n"
+        "time.sleep(0.5)\n"
+        "print(' and its end', file=sys.stderr, flush=True)\n"
+        "print('on stdout', flush=True)\n"
+    )
+    quiet = console.StderrFilter()
+    with quiet.redirect():
+        proc = subprocess.Popen([sys.executable, "-c", child])  # inherits fd 2: the pipe
+    proc.wait(30)  # it writes on after the redirect ended
+    assert quiet.join(10)
+    out, err = capfd.readouterr()
+    assert err == "kept: an error\npartial line and its end\n"
+    assert out == "on stdout\n"
+    assert quiet.dropped_count == 1

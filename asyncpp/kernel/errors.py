@@ -38,3 +38,8 @@ class WriteError(AsyncppError, ValueError):
 
 class InternalError(AsyncppError):
     """A bug in asyncpp itself, not in the user's code. Please report it."""
+
+
+class EngineDeadError(AsyncppError):
+    """An engine's process died (a vLLM worker, or its engine core): the engine cannot run traces
+    any more, and every later trace on it fails at once with this error. Create a new engine."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import itertools
 import os
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -20,14 +22,16 @@ from typing import Any
 
 import torch
 
-from ...kernel.errors import AsyncppError
+from ...kernel.errors import AsyncppError, EngineDeadError
 from ...locations.tree import tree_from_paths
 from ...pp.merge import NOT_HERE, merge
 from ...trace.bridge import await_future
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..local.inputs import InputError, token_rows
+from . import console
+from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 from .transport import pack_block, unpack_outcome
-from .worker import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .watch import Proc, Watch
 
 WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"
 
@@ -39,6 +43,8 @@ class VllmEngine(Engine):
         model.
     :param max_model_len: the longest prompt plus generation; every prompt is scheduled whole.
     :param kv_cache_gib: KV-cache size per worker (``kv_cache_memory_bytes``).
+    :param vllm_logs: show vLLM's own logs and warnings (default: ``ASYNCPP_VLLM_LOGS``, else no:
+        vLLM's errors only, and one progress line while the engine starts).
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
     """
@@ -49,8 +55,10 @@ class VllmEngine(Engine):
         *,
         max_model_len: int = 512,
         kv_cache_gib: float = 1,
+        vllm_logs: bool | None = None,
         **vllm_options: Any,
     ):
+        default_model = model is None
         if model is None:
             from ...models import tiny_model_dir
 
@@ -58,7 +66,7 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # set it to INFO to see vLLM's logs
+        self.vllm_logs = console.want_logs(vllm_logs)
         options = {
             "model": str(model),
             "enforce_eager": True,
@@ -72,40 +80,131 @@ class VllmEngine(Engine):
             "worker_cls": WORKER,
             "kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
         }
+        if not self.vllm_logs:
+            options["use_tqdm_on_load"] = False  # the weight-loading progress bar
         options.update(vllm_options)
         if options["worker_cls"] != WORKER:
             raise ValueError("VllmEngine needs asyncpp's worker class; leave worker_cls unset")
         self.options = options
         self._closed = False
+        self._dead: str | None = None  # why the engine is dead, once it is
+        self._watch: Watch | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncpp-vllm", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
+        progress = console.Progress(console.describe(options, default_model), own_line=self.vllm_logs)
+        quiet = None if self.vllm_logs else console.StderrFilter()
         try:
-            self._llm, entries = self._call(self._start())
+            with (
+                console.starting_env(self.vllm_logs),
+                quiet.redirect() if quiet else contextlib.nullcontext(),
+            ):
+                self._llm, entries, procs = self._call(self._start())
         except BaseException:
+            progress.done("failed after")
             self._stop_loop()
             raise
+        self._stderr = quiet  # forwards vLLM's processes' stderr for as long as they run
         self.tree = tree_from_paths([(p, t) for p, t in entries], ALIASES)
+        self._max_prompt = int(getattr(self._llm.model_config, "max_model_len", max_model_len)) - 1
+        self._watch = Watch(procs, self._on_death)
         self.tokenizer = _load_tokenizer(options["model"])
         atexit.register(self.close)  # vLLM's own teardown at interpreter exit is noisy
+        progress.done()
 
     # --- the engine's own loop ------------------------------------------------------------------
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _start(self) -> tuple[Any, list]:
+    async def _start(self) -> tuple[Any, list, list[Proc]]:
+        _import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._died = asyncio.get_running_loop().create_future()
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.options))
         try:
             entries = (await llm.collective_rpc("asyncpp_tree"))[0]
+            stats = await llm.collective_rpc("asyncpp_stats")
         except BaseException:
             llm.shutdown()
             raise
-        return llm, entries
+        return llm, entries, self._procs(llm, [s["pid"] for s in stats])
+
+    def _procs(self, llm: Any, pids: list[int]) -> list[Proc]:
+        """vLLM's processes: every worker (named by rank) and the engine core."""
+        pp = int(self.options.get("pipeline_parallel_size", 1) or 1)
+        tp = int(self.options.get("tensor_parallel_size", 1) or 1)
+        procs = []
+        for rank, pid in enumerate(pids):
+            where = f", pipeline stage {rank // tp}, tensor-parallel rank {rank % tp}" if pp * tp > 1 else ""
+            procs.append(Proc(f"vLLM worker rank {rank}", int(pid), True, where))
+        manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+        for proc in getattr(manager, "processes", None) or ():
+            if proc.pid is not None:
+                procs.append(Proc("vLLM's engine core", int(proc.pid), False))
+        return procs
+
+    # --- a dead engine --------------------------------------------------------------------------
+
+    def _on_death(self, proc: Proc, status: str | None) -> None:
+        """The watch thread: one of vLLM's processes ended while the engine was open."""
+        if self._closed or self._dead is not None:
+            return
+        resources = getattr(getattr(self._llm, "engine_core", None), "resources", None)
+        if getattr(resources, "engine_dead", False):
+            # vLLM's engine core reported a failure first: it stops its workers itself
+            why = "vLLM's engine core failed (vLLM logged the cause above)"
+        else:
+            why = f"{proc.name} (pid {proc.pid}{proc.where}) died" + (f", {status}" if status else "")
+            if proc.worker and self._watch is not None:
+                self._watch.kill_workers(but=proc)
+        self._dead = why
+        self._loop.call_soon_threadsafe(self._mark_dead)
+
+    def _mark_dead(self) -> None:
+        if not self._died.done():
+            self._died.set_result(None)
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(
+            f"this VllmEngine is dead: {self._dead}. It cannot run traces any more: close it and "
+            f"create a new VllmEngine"
+        )
+
+    async def _vllm_died(self, err: BaseException) -> EngineDeadError:
+        """vLLM reported its engine dead before the watch saw a process end: give the watch a
+        moment to name the process, else say what vLLM said."""
+        if self._dead is None:
+            await asyncio.wait((self._died,), timeout=1.0)
+        if self._dead is None:
+            self._dead = f"vLLM's engine core failed ({type(err).__name__}: {err})"
+            self._mark_dead()
+        return self._dead_error()
+
+    async def _unless_dead(self, aw: Any) -> Any:
+        """Await ``aw``, unless the engine dies first (then ``EngineDeadError`` at once); vLLM's
+        own engine-dead error becomes asyncpp's."""
+        task = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait((task, self._died), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller gave up: cancel the work and let it unwind
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            await asyncio.wait((task,))
+            raise
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)  # its outcome is the dead engine's: nobody reads it
+            raise self._dead_error()
+        try:
+            return task.result()
+        except Exception as err:
+            if _is_engine_dead(err):
+                raise await self._vllm_died(err) from None
+            raise
 
     # --- Engine ---------------------------------------------------------------------------------
 
@@ -117,12 +216,19 @@ class VllmEngine(Engine):
         self._check_open()
         return await await_future(asyncio.run_coroutine_threadsafe(self._run(spec), self._loop))
 
+    @property
+    def dead(self) -> bool:
+        """Whether one of vLLM's processes has died: every trace then fails at once."""
+        return self._dead is not None
+
     def close(self) -> None:
         """Shut vLLM down (its processes exit) and stop the engine's thread."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self._watch is not None:
+            self._watch.stop()
 
         async def shutdown(llm: Any) -> None:
             llm.shutdown(timeout=60)  # let vLLM's processes stop by themselves (no forced kill)
@@ -139,7 +245,7 @@ class VllmEngine(Engine):
         self._check_open()
 
         async def stats() -> Any:
-            return await self._llm.collective_rpc("asyncpp_stats")
+            return await self._unless_dead(self._llm.collective_rpc("asyncpp_stats"))
 
         return self._call(stats())
 
@@ -150,7 +256,7 @@ class VllmEngine(Engine):
         self._check_open()
 
         async def trees() -> Any:
-            return await self._llm.collective_rpc("asyncpp_tree", args=(True,))
+            return await self._unless_dead(self._llm.collective_rpc("asyncpp_tree", args=(True,)))
 
         return [[(p, t) for p, t in tree] for tree in self._call(trees())]
 
@@ -168,6 +274,8 @@ class VllmEngine(Engine):
     def _check_open(self) -> None:
         if self._closed:
             raise AsyncppError("this VllmEngine is closed")
+        if self._dead is not None:
+            raise self._dead_error()
 
     # --- one trace ------------------------------------------------------------------------------
 
@@ -184,6 +292,15 @@ class VllmEngine(Engine):
             rows = token_rows(inv.input, self.tokenizer, where)
             if len(rows) != 1:
                 raise InputError(f"{where}: one prompt per invoke on vLLM (got {len(rows)} rows)")
+            if not rows[0]:
+                raise InputError(f"{where}: the prompt is empty; give it at least one token")
+            if len(rows[0]) > self._max_prompt:
+                raise InputError(
+                    f"{where}: the prompt has {len(rows[0])} tokens, but this engine's "
+                    f"max_model_len={self._max_prompt + 1} leaves room for at most {self._max_prompt} "
+                    f"(a request must be able to generate at least one token). Shorten the prompt, or "
+                    f"create the VllmEngine with a larger max_model_len"
+                )
             prompts.append(rows[0])
         nums = [next(self._ids) for _ in invokes]
         ids = [f"asyncpp-{n}-{uuid.uuid4().hex[:8]}" for n in nums]
@@ -210,13 +327,21 @@ class VllmEngine(Engine):
             return final
 
         try:
-            finals = await asyncio.gather(
-                *(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True
+            finals = await self._unless_dead(
+                asyncio.gather(
+                    *(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True
+                )
             )
         finally:
             # always collect, also when the caller gave up: the workers then drop every trace
-            collect = asyncio.ensure_future(llm.collective_rpc("asyncpp_collect", args=(ids,)))
-            per_rank = await asyncio.shield(collect)
+            if self._dead is None:
+                collect = self._unless_dead(llm.collective_rpc("asyncpp_collect", args=(ids,)))
+                per_rank = await asyncio.shield(asyncio.ensure_future(collect))
+        if self._dead is not None:  # it died as the requests ended: their blocks' outcomes are lost
+            raise self._dead_error()
+        for final in finals:
+            if _is_engine_dead(final):
+                raise await self._vllm_died(final)
         outcome = RunOutcome([])
         for i, final in enumerate(finals):
             o = InvokeOutcome()
@@ -243,6 +368,41 @@ class VllmEngine(Engine):
                 return None, error
         merged = merge([r for r, _ in stages])
         return (None if merged is NOT_HERE else merged), None
+
+
+def _import_vllm() -> None:
+    """Import vLLM in a thread of its own. Something vLLM keeps from its import holds on to the
+    import's frames, and with them to the frame that imported it: imported in ``_start``, the
+    ``AsyncLLM`` there stayed alive after ``close``, to be shut down noisily at interpreter exit."""
+    if "vllm.v1.engine.async_llm" in sys.modules:
+        return
+
+    def load() -> None:
+        try:
+            import vllm.engine.arg_utils  # noqa: F401
+            import vllm.v1.engine.async_llm  # noqa: F401
+        except Exception:
+            pass  # imported again in the caller's thread, which gets the error
+
+    thread = threading.Thread(target=load, name="asyncpp-vllm-import")
+    thread.start()
+    thread.join()
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _is_engine_dead(err: Any) -> bool:
+    """vLLM's own engine-dead error (its engine core is gone or failed)."""
+    if not isinstance(err, BaseException):
+        return False
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDead
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return type(err).__name__ == "EngineDeadError"
+    return isinstance(err, VllmEngineDead)
 
 
 def _load_tokenizer(model: str) -> Any:

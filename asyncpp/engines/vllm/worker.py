@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -29,21 +30,18 @@ from ...pp.stage import StageSession
 from ...pp.transport import PullService
 from ..local.controllers import Controllers
 from .full_model import GraftCost, graft_full_model
+from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 from .tensor_parallel import find_shardings
 from .transport import pack_outcome, unpack_block
 
 log = logging.getLogger("asyncpp.vllm")
-
-EXTRA_KEY = "asyncpp"  # SamplingParams.extra_args: the packed block
-ID_KEY = "asyncpp_id"  # SamplingParams.extra_args: the caller's id for the request
-NUM_KEY = "asyncpp_num"  # SamplingParams.extra_args: the request's number (cross-stage pulls)
-ALIASES = {"logits": "logits_processor", "samples": "sampler"}
 
 
 class AsyncppWorker(CPUWorker):
     """vLLM's CPU worker with asyncpp's controllers and interleaver."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        _quiet_warnings()
         out = super().load_model(*args, **kwargs)
         _stack_dumps()
         self.asyncpp = WorkerSession(self.model_runner)
@@ -305,6 +303,14 @@ class WorkerSession:
             "served_bytes": st.get("bytes_out", 0),
             **self.stage.service.held(),
         }
+
+
+def _quiet_warnings() -> None:
+    """Unless the engine shows vLLM's logs (``ASYNCPP_VLLM_LOGS``, set by the driver while the
+    engine starts), python warnings raised by vLLM's own modules in this worker are not shown
+    (warnings from blocks, attributed to the user's modules, still are)."""
+    if os.environ.get("ASYNCPP_VLLM_LOGS", "0") in ("", "0"):
+        warnings.filterwarnings("ignore", module=r"vllm(\.|$)")
 
 
 STACK_DUMP_ENV = (

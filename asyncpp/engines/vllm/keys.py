@@ -1,0 +1,6 @@
+"""Names the driver and asyncpp's vLLM worker share (importing this does not import vLLM)."""
+
+EXTRA_KEY = "asyncpp"  # SamplingParams.extra_args: the packed block
+ID_KEY = "asyncpp_id"  # SamplingParams.extra_args: the caller's id for the request
+NUM_KEY = "asyncpp_num"  # SamplingParams.extra_args: the request's number (cross-stage pulls)
+ALIASES = {"logits": "logits_processor", "samples": "sampler"}
