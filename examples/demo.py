@@ -12,7 +12,6 @@ position only). The small helpers below hide both differences.
 
 import argparse
 import asyncio
-import os
 import re
 import time
 import traceback
@@ -102,11 +101,10 @@ def block_frame(err, block):
 def make_engine(kind, model, tok):
     if kind == "local":
         return asyncpp.LocalEngine(model, tok)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the tour readable; INFO shows all
-    print("starting a vLLM engine on the same checkpoint (float32; this takes 15-35 s)...", flush=True)
-    start = time.perf_counter()
-    engine = asyncpp.VllmEngine(dtype="float32")  # float32 like the local model: same numbers
-    print(f"vLLM engine ready in {time.perf_counter() - start:.0f} s\n", flush=True)
+    # float32 like the local model: same numbers; the engine prints one progress line as it starts
+    # (vllm_logs=True, or ASYNCPP_VLLM_LOGS=1, shows vLLM's own)
+    engine = asyncpp.VllmEngine(dtype="float32")
+    print(flush=True)
     return engine
 
 

@@ -507,3 +507,27 @@ def test_stderr_filter_drops_only_the_known_lines_of_child_processes(capfd):
     assert err == "kept: an error\npartial line and its end\n"
     assert out == "on stdout\n"
     assert quiet.dropped_count == 1
+
+
+def test_gradients_are_refused_with_a_clear_error(vllm_engine):
+    async def block(m):
+        return await m.logits
+
+    for make in (
+        lambda: asyncpp.trace(vllm_engine, grad=True),
+        lambda: asyncpp.generate(vllm_engine, max_new_tokens=2, grad=True),
+    ):
+        with pytest.raises(asyncpp.AsyncppError, match="gradients are not available on a VllmEngine"):
+            make()
+    assert not vllm_engine.supports_grad
+
+
+def test_backward_in_a_vllm_block_is_a_clear_error(vllm_engine):
+    async def block(m):
+        logits = await m.logits
+        async with asyncpp.backward(logits.sum()):
+            pass
+
+    with pytest.raises(asyncpp.AsyncppError, match=r"needs a trace with gradients"):
+        with asyncpp.trace(vllm_engine) as t:
+            t.invoke("Hello", block)
