@@ -93,6 +93,7 @@ async def via_backward(m):
 
 def asyncpp_grad(model, engine, prompts, use_backward):
     block = via_backward if use_backward else via_autograd
+    prompts = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]  # as plain
 
     def run():
         with asyncpp.trace(engine, grad=True) as t:
@@ -159,7 +160,7 @@ def report(r: dict, args) -> str:
         f"{args.rounds} shuffled rounds of {args.inner} calls per variant; the ratio and difference are "
         f"medians over rounds of each round's medians. 'plain' is the model run by hand with a forward "
         f"hook (one padded batch, position ids from the mask, one `autograd.grad` per row for four "
-        f"prompts, one `backward` per row for the `backward` rows); 'asyncpp' is a `grad=True` trace with one invoke per prompt. `backward` rows also "
+        f"prompts, one `backward` per row for the `backward` rows); 'asyncpp' is a `grad=True` trace with one invoke per prompt (token ids, tokenized beforehand in both). `backward` rows also "
         f"accumulate the parameters' gradients, in both columns.",
         "",
         f"Command: `{bench_common.command_line(__file__)}` "
