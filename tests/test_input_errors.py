@@ -64,7 +64,7 @@ def test_prompt_that_fits_exactly_runs(gpt2):
     assert h.result == torch.Size([1, 128, 259])
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
 def test_async_trace_inside_a_block_is_refused(engine, backend):
     inner = torch.nn.Linear(4, 4)
 
@@ -82,7 +82,10 @@ def test_async_trace_inside_a_block_is_refused(engine, backend):
         return h
 
     with pytest.raises(asyncpp.AsyncppError, match="cannot be used inside an intervention block") as info:
-        anyio.run(main, backend=backend)
+        if backend == "uvloop":
+            anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+        else:
+            anyio.run(main, backend=backend)
     assert "plain `with asyncpp.trace(other_model)`" in str(info.value)
 
 
