@@ -119,3 +119,26 @@ def test_logits_edit_changes_what_generate_samples(engines):
     with asyncpp.generate(eng, max_new_tokens=3) as t:
         h = t.invoke(PROMPTS[0], force)
     assert h.tokens[0].tolist() == [target] * 3
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_batched_gradients_equal_each_prompt_alone(engines, arch):
+    """In a grad=True trace, each invoke's gradient of its own loss with respect to its rows of a
+    layer's output equals the gradient of the same prompt run alone."""
+    eng = engines[arch]
+
+    async def grad_of_first_layer(m):
+        layers = _layers(m)
+        await layers[0].output
+        loss = (await m.logits)[:, -1, 42].sum()
+        async with asyncpp.backward(loss):
+            return await layers[0].output.grad
+
+    with asyncpp.trace(eng, grad=True) as t:
+        together = [t.invoke(p, grad_of_first_layer) for p in PROMPTS]
+    for p, b in zip(PROMPTS, together):
+        with asyncpp.trace(eng, grad=True) as t:
+            a = t.invoke(p, grad_of_first_layer)
+        assert a.result.abs().max() > 0
+        torch.testing.assert_close(b.result[:, -len(p) :], a.result, rtol=1e-4, atol=1e-6)
+    eng.model.zero_grad(set_to_none=True)
