@@ -37,6 +37,7 @@ from .pp.remote import RemoteValueError, pull
 from .pp.transport import PullError, PullTimeout
 from .tls import TLSBuildError
 from .trace.api import Invoke, Trace, generate, trace
+from .trace.stream import emit
 
 __version__ = "0.1.0"
 
@@ -84,6 +85,7 @@ __all__ = [
     "VllmEngine",
     "WriteError",
     "backward",
+    "emit",
     "gather",
     "generate",
     "pull",

@@ -531,3 +531,21 @@ def test_backward_in_a_vllm_block_is_a_clear_error(vllm_engine):
     with pytest.raises(asyncpp.AsyncppError, match=r"needs a trace with gradients"):
         with asyncpp.trace(vllm_engine) as t:
             t.invoke("Hello", block)
+
+
+def test_streaming_is_refused_clearly_on_vllm(vllm_engine):
+    async def block(m):
+        asyncpp.emit(1)
+        return await m.logits
+
+    async def main():
+        async with asyncpp.trace(vllm_engine) as t:
+            h = t.invoke("Hello", block)
+            async for _ in h.stream():
+                pass
+
+    with pytest.raises(asyncpp.AsyncppError, match="does not stream values from blocks yet"):
+        asyncio.run(main())
+    with pytest.raises(asyncpp.AsyncppError, match="does not stream values from blocks"):
+        with asyncpp.trace(vllm_engine) as t:
+            t.invoke("Hello", block)

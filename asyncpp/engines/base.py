@@ -30,6 +30,8 @@ class RunSpec:
     max_new_tokens: int | None = None
     grad: bool = False
     model_kwargs: dict = field(default_factory=dict)
+    # values blocks emit (asyncpp.emit): sink(invoke index, value), called on the model's thread
+    sink: Callable[[int, Any], None] | None = None
 
 
 class Deferred:
@@ -49,6 +51,7 @@ class InvokeOutcome:
     error: BaseException | None = None
     output: Any = None
     tokens: Any = None
+    emitted: list = field(default_factory=list)  # what its block streamed, in order
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Engine(ABC):
 
     tree: Root
     supports_grad: bool = False  # whether traces with grad=True (and backward passes) run on it
+    supports_streaming: bool = False  # whether blocks may asyncpp.emit() (see submit)
 
     @abstractmethod
     def run(self, spec: RunSpec) -> RunOutcome:
@@ -75,3 +79,9 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the engine's threads and processes."""
+
+    def submit(self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]) -> None:
+        """Start a run off the caller's loop without awaiting it (streaming engines): when it has
+        ended, ``post(fn, *args)`` (the loop's thread-safe entry point) brings ``settle(ok,
+        outcome or error)`` to the caller's loop."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")

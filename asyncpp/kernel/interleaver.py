@@ -252,6 +252,7 @@ class Interleaver:
         "copy_after",
         "on_pull",
         "grad",
+        "on_emit",
         "__weakref__",
     )
 
@@ -318,8 +319,15 @@ class Interleaver:
         # gradient runs (local engine, grad=True): invokes' rows are cut inside the autograd graph,
         # served values are kept per block for loc.grad, and blocks may run backward passes
         self.grad = grad
+        # streaming engines: on_emit(block, value) takes what a block passes to asyncpp.emit()
+        self.on_emit: Callable[[Block, Any], None] | None = None
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
+
+    def activate_here(self) -> None:
+        """Mark this interleaver as the one running blocks on the calling thread, for good (an
+        engine whose thread runs nothing else: a vLLM worker)."""
+        _active.kernel = self
 
     @contextmanager
     def active(self):

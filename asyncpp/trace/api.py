@@ -9,7 +9,7 @@ block's own traceback; every handle still carries its own outcome.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from torch import nn
@@ -18,6 +18,7 @@ from ..engines.base import Deferred, Engine, InvokeSpec, RunOutcome, RunSpec
 from ..kernel.errors import AsyncppError
 from ..kernel.interleaver import active_interleaver
 from ..locations.validate import check_block_paths
+from .stream import Live
 
 _PENDING = object()
 _CO_COROUTINE = inspect.CO_COROUTINE
@@ -33,11 +34,13 @@ def _is_async(fn: Any) -> bool:
 class Invoke:
     """The handle of one invoke: its block's result, once the trace has run."""
 
-    __slots__ = ("index", "name", "_result", "_error", "_output", "tokens")
+    __slots__ = ("index", "name", "_result", "_error", "_output", "tokens", "emitted", "_trace")
 
-    def __init__(self, index: int, name: str):
+    def __init__(self, index: int, name: str, trace: Trace | None = None):
         self.index = index
         self.name = name
+        self._trace = trace
+        self.emitted: list = []  # what the block streamed with asyncpp.emit(), once the trace has run
         self._result: Any = _PENDING
         self._error: BaseException | None = None
         self._output: Any = None
@@ -69,6 +72,11 @@ class Invoke:
     def done(self) -> bool:
         return self._error is not None or self._result is not _PENDING
 
+    def stream(self) -> AsyncIterator[Any]:
+        """The values this invoke's block emits (``asyncpp.emit``), as they are made: ``async for v
+        in h.stream():`` inside ``async with`` starts the run; after the run, the values it made."""
+        return self._trace._stream(self.index)
+
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self.done else "pending")
         return f"<Invoke #{self.index} {self.name} {state}>"
@@ -84,6 +92,7 @@ class Trace:
         self._spec = spec
         self._handles: list[Invoke] = []
         self._ran = False
+        self._live: Live | None = None  # the run a stream started (async entry only)
         self.output: Any = None  # the model's whole output, after the run
 
     def invoke(
@@ -108,7 +117,7 @@ class Trace:
         name = getattr(block, "__qualname__", None)
         if name is None:  # a functools.partial (of a function or a bound method): name what it wraps
             name = f"partial({getattr(getattr(block, 'func', None), '__qualname__', 'block')})"
-        handle = Invoke(len(self._handles), name)
+        handle = Invoke(len(self._handles), name, self)
         self._handles.append(handle)
         self._spec.invokes.append(InvokeSpec(input, block, args, kwargs, name))
         return handle
@@ -116,6 +125,43 @@ class Trace:
     @property
     def invokes(self) -> list[Invoke]:
         return list(self._handles)
+
+    def stream(self) -> AsyncIterator[tuple[Invoke, Any]]:
+        """``(handle, value)`` for every value any block emits, as they are made (see
+        :meth:`Invoke.stream`)."""
+        return self._stream(None)
+
+    async def _stream(self, index: int | None) -> AsyncIterator[Any]:
+        live = self._live
+        if live is None:
+            if self._ran:  # the run is over (or runs elsewhere): what it streamed, in order
+                for h in self._handles if index is None else [self._handles[index]]:
+                    for v in h.emitted:
+                        yield v if index is not None else (h, v)
+                return
+            live = self._start_live()
+        async for i, v in live.iterate(index):
+            yield v if index is not None else (self._handles[i], v)
+
+    def _start_live(self) -> Live:
+        if not self.engine.supports_streaming:
+            raise AsyncppError(
+                f"a {type(self.engine).__name__} does not stream values from blocks yet: use a "
+                f"LocalEngine, or return the values from the block"
+            )
+        if not self._spec.invokes:
+            raise AsyncppError("the trace has no invokes to stream from: call t.invoke(...) first")
+        live = Live()
+        live.bind_loop()
+        self._spec.sink = live.sink
+        self._ran = True
+        self._live = live
+
+        def settle(ok: bool, value: Any) -> None:
+            live.finish(value if ok else None, None if ok else value)
+
+        self.engine.submit(self._spec, live.post, settle)
+        return live
 
     # --- sync entry --------------------------------------------------------------------------
 
@@ -144,6 +190,13 @@ class Trace:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
+        live = self._live
+        if live is not None and not live.settled:
+            if exc_type is not None:  # the run goes on on the model's thread; its outcome is dropped
+                return
+            live.settled = True
+            self._settle(await live.wait())
+            return
         if exc_type is not None or self._ran:
             return
         self._ran = True
@@ -157,6 +210,7 @@ class Trace:
         for handle, o in zip(self._handles, outcome.invokes):
             handle._result, handle._error = o.result, o.error
             handle._output, handle.tokens = o.output, o.tokens
+            handle.emitted = o.emitted
             if o.error is not None and first is None:
                 first = (handle, o.error)
         if outcome.error is not None:

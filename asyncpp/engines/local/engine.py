@@ -68,6 +68,7 @@ class LocalEngine(Engine):
     """
 
     supports_grad = True
+    supports_streaming = True
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, *, _cached: bool = False):
         self._model = weakref.ref(model)
@@ -112,6 +113,9 @@ class LocalEngine(Engine):
     async def run_async(self, spec: RunSpec) -> RunOutcome:
         return await run_on_thread(self._thread, lambda: self._execute(spec))
 
+    def submit(self, spec: RunSpec, post: Any, settle: Any) -> None:
+        self._thread.submit(lambda: self._execute(spec), post, settle)
+
     def close(self) -> None:
         self._thread.stop()
 
@@ -147,6 +151,7 @@ class LocalEngine(Engine):
             grad=spec.grad,
         )
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
+        kernel.on_emit = _emitter(outcome, spec.sink)
         lock = self._lock
         if lock.owner == threading.get_ident():
             raise AsyncppError(
@@ -258,6 +263,19 @@ class LocalEngine(Engine):
             out_rows[i] = (start * out_factor, (start + n) * out_factor)
             start += n
         return call, rows, out_rows, batch_size, prompt_len
+
+
+def _emitter(outcome: RunOutcome, sink: Any):
+    """The interleaver's on_emit: keep a block's streamed values with its outcome, and pass each
+    to the run's sink (the caller's live stream), if any."""
+    invokes = outcome.invokes
+
+    def on_emit(block: Any, value: Any) -> None:
+        invokes[block.order].emitted.append(value)
+        if sink is not None:
+            sink(block.order, value)
+
+    return on_emit
 
 
 def _takes(model: nn.Module, name: str) -> bool:

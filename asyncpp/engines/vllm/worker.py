@@ -117,6 +117,7 @@ class WorkerSession:
         self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
+        kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
 

@@ -1,0 +1,110 @@
+"""Values a block streams while the model runs: ``asyncpp.emit(value)`` in a block, and
+``async for value in handle.stream()`` (or ``t.stream()``) in the caller, live, as they are made.
+
+The engine calls the run's sink on the model's thread for every emitted value; the sink posts it
+to the caller's event loop (asyncio, uvloop or trio) through the loop's thread-safe entry point, so
+the caller's iterators wake as values arrive. A stream that begins inside ``async with`` starts
+the run there; ``__aexit__`` then waits for that run instead of starting one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..kernel.batching import detach
+from ..kernel.errors import AsyncppError
+from ..kernel.interleaver import active_interleaver
+
+
+def emit(value: Any) -> None:
+    """Stream ``value`` from the running block to its invoke's ``stream()`` (tensors are detached
+    and copied, as a block's result is). Does not wait: the block goes on at once."""
+    kernel = active_interleaver()
+    block = None if kernel is None else kernel.current
+    if block is None:
+        raise AsyncppError("asyncpp.emit() can only be called from inside an intervention block")
+    if kernel.on_emit is None:
+        raise AsyncppError(
+            "this engine does not stream values from blocks (streaming runs on a LocalEngine); "
+            "return the values from the block instead"
+        )
+    kernel.on_emit(block, detach(value))
+
+
+class Live:
+    """A run started by a stream: every emitted value, in order, and the run's end."""
+
+    def __init__(self):
+        self.items: list[tuple[int, Any]] = []  # (invoke index, value), append-only
+        self.done = False
+        self.settled = False  # the trace has taken the outcome (at its async with's exit)
+        self.outcome: Any = None
+        self.error: BaseException | None = None
+        self._changed: Any = None  # the event consumers wait on (a fresh one after each change)
+        self._event_type: Callable[[], Any] | None = None
+        self.post: Callable[..., None] | None = None  # the loop's thread-safe entry point
+
+    def bind_loop(self) -> None:
+        """Take the running loop's thread-safe entry point and event type."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self.post, self._event_type = loop.call_soon_threadsafe, asyncio.Event
+        elif "trio" in sys.modules:
+            import trio
+
+            self.post, self._event_type = trio.lowlevel.current_trio_token().run_sync_soon, trio.Event
+        else:
+            raise RuntimeError("asyncpp: streams need a running asyncio, uvloop or trio event loop")
+        self._changed = self._event_type()
+
+    # --- called on the model's thread ------------------------------------------------------------
+
+    def sink(self, index: int, value: Any) -> None:
+        try:
+            self.post(self._add, index, value)
+        except RuntimeError:  # the caller's loop has closed: nobody is listening
+            pass
+
+    # --- called on the caller's loop -------------------------------------------------------------
+
+    def _add(self, index: int, value: Any) -> None:
+        self.items.append((index, value))
+        self._wake()
+
+    def finish(self, outcome: Any, error: BaseException | None) -> None:
+        self.done, self.outcome, self.error = True, outcome, error
+        self._wake()
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, self._event_type()
+        changed.set()
+
+    async def iterate(self, index: int | None) -> AsyncIterator[tuple[int, Any]]:
+        """Every item (of invoke ``index``, or all), from the first, as they come, until the run
+        ends."""
+        pos = 0
+        while True:
+            while pos < len(self.items):
+                item = self.items[pos]
+                pos += 1
+                if index is None or item[0] == index:
+                    yield item
+            if self.done:
+                return
+            await self._changed.wait()
+
+    async def wait(self) -> Any:
+        while not self.done:
+            await self._changed.wait()
+        if self.error is not None:
+            raise self.error
+        return self.outcome
+
+
+__all__ = ["Live", "emit"]
