@@ -93,6 +93,7 @@ class Trace:
         self._handles: list[Invoke] = []
         self._ran = False
         self._live: Live | None = None  # the run a stream started (async entry only)
+        self._abandon: Callable[[], Any] | None = None  # gives that run up, if its engine can
         self.output: Any = None  # the model's whole output, after the run
 
     def invoke(
@@ -160,7 +161,8 @@ class Trace:
         def settle(ok: bool, value: Any) -> None:
             live.finish(value if ok else None, None if ok else value)
 
-        self.engine.submit(self._spec, live.post, settle)
+        abandon = self.engine.submit(self._spec, live.post, settle)
+        self._abandon = abandon if callable(abandon) else None
         return live
 
     # --- sync entry --------------------------------------------------------------------------
@@ -192,7 +194,9 @@ class Trace:
     async def __aexit__(self, exc_type, exc, tb) -> None:
         live = self._live
         if live is not None and not live.settled:
-            if exc_type is not None:  # the run goes on on the model's thread; its outcome is dropped
+            if exc_type is not None:  # its outcome is dropped; the run goes on, unless the engine
+                if self._abandon is not None:  # can give it up (vLLM aborts its requests)
+                    self._abandon()
                 return
             live.settled = True
             self._settle(await live.wait())

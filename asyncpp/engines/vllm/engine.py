@@ -3,7 +3,8 @@
 The engine owns an ``AsyncLLM`` on a private event loop in a background thread, so it serves sync
 scripts and async applications (asyncio, uvloop, trio) alike, and many traces at once: each invoke
 becomes a vLLM request carrying its block, and vLLM batches all of them continuously. When a
-request's last output arrives, its block's outcome is collected from the workers.
+request's last output arrives, its block's outcome is collected from the workers. Values blocks
+stream (``asyncpp.emit``) come over a channel of their own as they are made (``stream.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..local.inputs import InputError, token_rows
 from . import console
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .stream import Receiver
 from .transport import pack_block, unpack_outcome
 from .watch import Proc, Watch
 
@@ -48,6 +51,8 @@ class VllmEngine(Engine):
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
     """
+
+    supports_streaming = True
 
     def __init__(
         self,
@@ -89,6 +94,7 @@ class VllmEngine(Engine):
         self._closed = False
         self._dead: str | None = None  # why the engine is dead, once it is
         self._watch: Watch | None = None
+        self._receiver: Receiver | None = None  # streamed values (made on the engine's loop)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncpp-vllm", daemon=True)
         self._thread.start()
@@ -124,12 +130,19 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._died = asyncio.get_running_loop().create_future()
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.options))
+        self._receiver = Receiver(int(self.options.get("pipeline_parallel_size", 1) or 1))
+        try:
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.options))
+        except BaseException:
+            await self._receiver.close()
+            raise
         try:
             entries = (await llm.collective_rpc("asyncpp_tree"))[0]
             stats = await llm.collective_rpc("asyncpp_stats")
+            await llm.collective_rpc("asyncpp_stream", args=(self._receiver.address,))
         except BaseException:
             llm.shutdown()
+            await self._receiver.close()
             raise
         return llm, entries, self._procs(llm, [s["pid"] for s in stats])
 
@@ -216,6 +229,28 @@ class VllmEngine(Engine):
         self._check_open()
         return await await_future(asyncio.run_coroutine_threadsafe(self._run(spec), self._loop))
 
+    def submit(
+        self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]
+    ) -> Callable[[], Any]:
+        """Start the run on the engine's loop (values reach ``spec.sink`` as they come); when it
+        has ended, ``post(settle, ok, outcome or error)``. Returns a function that abandons the run
+        (its requests are aborted in vLLM)."""
+        self._check_open()
+        fut = asyncio.run_coroutine_threadsafe(self._run(spec), self._loop)
+
+        def done(f: Any) -> None:
+            if f.cancelled():
+                ok, value = False, asyncio.CancelledError()
+            elif f.exception() is not None:
+                ok, value = False, f.exception()
+            else:
+                ok, value = True, f.result()
+            with contextlib.suppress(RuntimeError):  # the caller's loop has closed
+                post(settle, ok, value)
+
+        fut.add_done_callback(done)
+        return fut.cancel
+
     @property
     def dead(self) -> bool:
         """Whether one of vLLM's processes has died: every trace then fails at once."""
@@ -231,7 +266,11 @@ class VllmEngine(Engine):
             self._watch.stop()
 
         async def shutdown(llm: Any) -> None:
-            llm.shutdown(timeout=60)  # let vLLM's processes stop by themselves (no forced kill)
+            try:
+                llm.shutdown(timeout=60)  # let vLLM's processes stop by themselves (no forced kill)
+            finally:
+                if self._receiver is not None:
+                    await self._receiver.close()
 
         try:
             self._call(shutdown(self._llm))
@@ -281,7 +320,6 @@ class VllmEngine(Engine):
 
     async def _run(self, spec: RunSpec) -> RunOutcome:
         from vllm import SamplingParams
-        from vllm.inputs import tokens_input
 
         invokes = spec.invokes
         prompts = []
@@ -319,6 +357,18 @@ class VllmEngine(Engine):
             for inv, rid, num in zip(invokes, ids, nums)
         ]
         llm = self._llm
+        receiver = self._receiver
+        streams = [receiver.open(rid, spec.sink, i) for i, rid in enumerate(ids)]
+        try:
+            return await self._requests(llm, prompts, params, ids, streams)
+        finally:
+            for rid in ids:
+                receiver.drop(rid)
+
+    async def _requests(
+        self, llm: Any, prompts: list, params: list, ids: list[str], streams: list
+    ) -> RunOutcome:
+        from vllm.inputs import tokens_input
 
         async def one(prompt: list[int], sp: Any, rid: str) -> Any:
             final = None
@@ -342,10 +392,15 @@ class VllmEngine(Engine):
         for final in finals:
             if _is_engine_dead(final):
                 raise await self._vllm_died(final)
+        # the workers sent each request's end after its values, before answering the collection
+        await self._unless_dead(self._receiver.ended(streams))
         outcome = RunOutcome([])
         for i, final in enumerate(finals):
             o = InvokeOutcome()
             o.result, o.error = self._outcome([ranks[i] for ranks in per_rank])
+            o.emitted = streams[i].values
+            if o.error is None and streams[i].error is not None:
+                o.error = streams[i].error
             if isinstance(final, BaseException):
                 o.error = final  # vLLM refused or lost the request: its own error says why
             elif final is not None:

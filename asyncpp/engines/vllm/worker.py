@@ -11,6 +11,9 @@ for good, and one long-lived interleaver serves all requests:
   one generation step of its own;
 * it is **finished** when the driver collects its result after the request's last output (or when
   the request is reported finished), and every trace of it is dropped.
+
+What a block streams (``asyncpp.emit``) is sent to the driver at once, from inside the forward, by
+tensor-parallel rank 0 of each stage (see ``stream.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ... import tls
+from ...kernel.errors import AsyncppError
 from ...kernel.interleaver import Block, Interleaver
 from ...locations.tree import build_tree, tree_from_paths
 from ...pp.ownership import Ownership, report
@@ -31,6 +35,7 @@ from ...pp.transport import PullService
 from ..local.controllers import Controllers
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .stream import Sender
 from .tensor_parallel import find_shardings
 from .transport import pack_outcome, unpack_block
 
@@ -67,14 +72,19 @@ class AsyncppWorker(CPUWorker):
         """How much per-request state this worker holds (for leak checks)."""
         return self.asyncpp.stats()
 
+    def asyncpp_stream(self, address: str) -> bool:
+        """Connect to the driver's channel for streamed values; whether this rank sends on it."""
+        return self.asyncpp.connect(address)
+
 
 class _Request:
-    __slots__ = ("aid", "num", "payload", "block", "outcome", "error")
+    __slots__ = ("aid", "num", "payload", "block", "outcome", "error", "emitted")
 
     def __init__(self, aid: str, payload: bytes, num: int = 0):
         self.aid = aid
         self.num = num
         self.payload = payload
+        self.emitted = 0  # values its block has streamed (asyncpp.emit)
         self.block: Block | None = None
         self.outcome: bytes | None = None  # packed, once the block is finished
         self.error: BaseException | None = None  # a failure before the block could start
@@ -87,8 +97,9 @@ class WorkerSession:
         self.runner = runner
         model = runner.model
         self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
-        self.nums: dict[int, int] = {}  # id(block) -> its request's number
-        self._starting = 0
+        self.of_block: dict[int, _Request] = {}  # id(block) -> its request
+        self._starting: _Request | None = None  # the request whose block is starting
+        self.sender = Sender()
         self.local_tree: list[tuple[str, str]] | None = None
         self.graft_cost: GraftCost | None = None
         pipeline = _pipeline(runner)
@@ -101,6 +112,7 @@ class WorkerSession:
         self.controllers = Controllers(modules)
         kernel = Interleaver(self.paths, 0, step_index=0, switch=tls.get_switch(), slot=self.controllers.slot)
         kernel.on_step = self._on_step
+        kernel.on_emit = self._on_emit
         kernel.request_level = frozenset(
             i for i, p in enumerate(self.paths) if _under(p, "logits_processor") or _under(p, "sampler")
         )
@@ -206,19 +218,57 @@ class WorkerSession:
             return None
         req.payload = b""
         self._order += 1
-        self._starting = req.num  # the block's first steps run inside start()
-        block = self.kernel.start(
-            coro, self._order, rows, name=getattr(fn, "__qualname__", "block"), req_rows=req_rows
-        )
+        self._starting = req  # the block's first steps run inside start()
+        try:
+            block = self.kernel.start(
+                coro, self._order, rows, name=getattr(fn, "__qualname__", "block"), req_rows=req_rows
+            )
+        finally:
+            self._starting = None
         req.block = block
-        self.nums[id(block)] = req.num
+        self.of_block[id(block)] = req
         return block
 
+    def _request_of(self, block: Block) -> _Request | None:
+        return self.of_block.get(id(block), self._starting)
+
     def _num_of(self, block: Block) -> int:
-        return self.nums.get(id(block), self._starting)
+        req = self._request_of(block)
+        return 0 if req is None else req.num
+
+    # --- streamed values ------------------------------------------------------------------------
+
+    def connect(self, address: str) -> bool:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        sends = get_tp_group().rank_in_group == 0
+        self.sender.connect(address, get_pp_group().rank_in_group, sends)
+        return sends
+
+    def _on_emit(self, block: Block, value: Any) -> None:
+        """``asyncpp.emit(value)`` in a block (the value already detached): send it to the driver
+        now, numbered within its request. On a pipeline stage the value is first what this stage
+        holds of it, as a result would be (the driver merges the stages' values)."""
+        req = self._request_of(block)
+        if req is None:  # pragma: no cover - every block here belongs to a request
+            raise AsyncppError("asyncpp.emit(): this block belongs to no request on this worker")
+        if self.stage is not None:
+            value = self.stage.result(value)
+        self.sender.value(req.aid, req.emitted, value)
+        req.emitted += 1
+
+    # --- the end of a request -------------------------------------------------------------------
 
     def _finish(self, rid: str) -> bytes:
-        """Run the request's block to its end, pack its outcome, drop all state of the request."""
+        """Run the request's block to its end, pack its outcome, drop all state of the request;
+        then tell the driver that the request's streamed values are all sent."""
+        req = self.requests[rid]
+        try:
+            return self._finish_block(rid)
+        finally:
+            self.sender.end(req.aid, req.emitted)
+
+    def _finish_block(self, rid: str) -> bytes:
         req = self.requests.pop(rid)
         self.by_aid.pop(req.aid, None)
         block = req.block
@@ -228,9 +278,12 @@ class WorkerSession:
         kernel = self.kernel
         stage = self.stage
         if stage is None:
-            if not block.done:
-                kernel.finish_blocks([block])
-            kernel.forget(block)
+            try:
+                if not block.done:
+                    kernel.finish_blocks([block])
+            finally:
+                kernel.forget(block)
+                self.of_block.pop(id(block), None)
             return pack_outcome(block.result, block.error)
         result, error = None, None
         try:
@@ -249,7 +302,7 @@ class WorkerSession:
         finally:
             stage.forget(block)
             kernel.forget(block)
-            self.nums.pop(id(block), None)
+            self.of_block.pop(id(block), None)
         # this stage is done with the request: its buffers go once every stage has said the same
         stage.service.release(req.num)
         return pack_outcome(result, error)
@@ -262,6 +315,7 @@ class WorkerSession:
                 rid = self.by_aid.get(aid)
                 if rid is None:
                     packed = pack_outcome(None, RuntimeError(f"no block of request {aid!r} on this worker"))
+                    self.sender.end(aid, 0)  # (a request this worker never saw: vLLM refused it)
                 else:
                     packed = self._finish(rid)
             out.append(packed)
@@ -277,6 +331,7 @@ class WorkerSession:
             "gates": len(k._gates),
             "hot_in": len(k.hot_in),
             "hot_out": len(k.hot_out),
+            "emitting": len(self.of_block),
             "pid": os.getpid(),
             **self._stage_stats(),
         }

@@ -1,0 +1,248 @@
+"""Values blocks stream from vLLM's workers (``asyncpp.emit``), live, over a channel of their own.
+
+The driver binds a ZMQ PULL socket (``ipc://`` in a temporary folder) on the engine's event loop;
+after the engine has started, every worker is told its address and the senders connect a PUSH
+socket to it. A block's ``asyncpp.emit(value)`` then sends the value at once from inside the
+forward (ZMQ queues it; the forward does not wait), without waiting for the engine step to end or
+for the request's outcome to be collected.
+
+* **Who sends.** Tensor-parallel rank 0 of every pipeline stage. The other tensor-parallel ranks
+  run the same block and pickle the same value (so that a value that does not pickle fails the
+  block at the same line on every rank) but send nothing: no duplicates.
+* **Pipeline parallel.** Every stage runs every block, so every stage emits every value, with
+  what it holds: a value is first converted as a result is (remote values this stage does not own
+  become ``NOT_HERE``), and the driver merges the stages' n-th values of a request with the same
+  rules as results (:func:`asyncpp.pp.merge.merge`) once every stage has sent its n-th.
+* **Messages.** Two frames: a text header ``kind|stage|n|request id`` and, for a value, the value
+  pickled with cloudpickle (this channel is internal to the engine's own processes). ``v``: the
+  n-th value of a request; ``e``: the request is over on that stage, after n values. A worker
+  sends ``e`` when it finishes the request's block (at collection, or when vLLM reports the
+  request finished) and when the driver collects a request it never saw. One socket is FIFO, so
+  once every sender's ``e`` has arrived, all of the request's values have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from ...pp.merge import NOT_HERE, merge
+from .transport import RemoteBlockError
+
+VALUE, END = "v", "e"
+
+
+def _header(kind: str, stage: int, n: int, aid: str) -> bytes:
+    return f"{kind}|{stage}|{n}|{aid}".encode()
+
+
+def _parse(header: bytes) -> tuple[str, int, int, str]:
+    kind, stage, n, aid = header.decode().split("|", 3)
+    return kind, int(stage), int(n), aid
+
+
+# --- the worker's side -----------------------------------------------------------------------------
+
+
+class Sender:
+    """A worker's end of the channel: sends only where ``sends`` (TP rank 0 of its stage)."""
+
+    def __init__(self):
+        self.stage = 0
+        self._sock: Any = None
+        self._ctx: Any = None
+        self.sent = 0  # messages sent (stats)
+
+    def connect(self, address: str, stage: int, sends: bool) -> None:
+        self.stage = stage
+        if not sends or self._sock is not None:
+            return
+        import zmq
+
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block the forward: queue whatever the driver has not read
+        sock.setsockopt(zmq.LINGER, 2000)  # at exit, give queued messages a moment, then go
+        sock.connect(address)
+        self._sock = sock
+
+    def value(self, aid: str, n: int, value: Any) -> None:
+        """Send the request's ``n``-th value; a value that does not pickle raises here, in the
+        block, at its ``asyncpp.emit`` line."""
+        try:
+            payload = cloudpickle.dumps(value)
+        except Exception as err:
+            raise RemoteBlockError(
+                f"asyncpp.emit(): the value could not be sent from the worker to the caller: {err!r}"
+            ) from None
+        if self._sock is not None:
+            self._sock.send_multipart([_header(VALUE, self.stage, n, aid), payload], copy=False)
+            self.sent += 1
+
+    def end(self, aid: str, count: int) -> None:
+        if self._sock is not None:
+            self._sock.send_multipart([_header(END, self.stage, count, aid), b""])
+            self.sent += 1
+
+
+# --- the driver's side -----------------------------------------------------------------------------
+
+
+class Stream:
+    """What the driver holds of one request's values until its outcome is settled."""
+
+    __slots__ = ("sink", "index", "values", "parts", "next", "got", "ends", "done", "error")
+
+    def __init__(self, sink: Callable[[int, Any], None] | None, index: int, stages: int, done: Any):
+        self.sink = sink
+        self.index = index  # the invoke's index in its trace (what the sink is called with)
+        self.values: list = []  # delivered, in order: the invoke's ``emitted``
+        self.parts: dict[int, list] = {}  # pipeline parallel: n -> each stage's n-th value
+        self.next = 0  # pipeline parallel: the next n to merge and deliver
+        self.got = [0] * stages  # values received per stage
+        self.ends = 0  # stages that have said the request is over
+        self.done = done  # an asyncio future: every stage's end has arrived
+        self.error: BaseException | None = None  # a value that could not be received
+
+
+class Receiver:
+    """The driver's end: one PULL socket read by a task on the engine's event loop, which hands
+    each value to its request's stream. Create and use on that loop."""
+
+    def __init__(self, stages: int):
+        import zmq
+        import zmq.asyncio
+
+        self.stages = stages
+        self.streams: dict[str, Stream] = {}  # asyncpp request id -> its stream
+        self.received = 0  # messages (stats)
+        self._dir = tempfile.mkdtemp(prefix="asyncpp-")
+        self.address = f"ipc://{os.path.join(self._dir, uuid.uuid4().hex[:8])}"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.address)
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._read(), name="asyncpp-vllm-stream")
+
+    def open(self, aid: str, sink: Callable[[int, Any], None] | None, index: int) -> Stream:
+        stream = Stream(sink, index, self.stages, self._loop.create_future())
+        self.streams[aid] = stream
+        return stream
+
+    def drop(self, aid: str) -> None:
+        stream = self.streams.pop(aid, None)
+        if stream is not None and not stream.done.done():
+            stream.done.cancel()
+
+    async def ended(self, streams: list[Stream], patience: float = 30.0) -> None:
+        """Wait until every stage's end of these requests has arrived (right after collection:
+        the workers sent them before answering it). Values still coming in count as progress;
+        ``patience`` seconds without any is an error, not a hang."""
+        pending = [s.done for s in streams if not s.done.done()]
+        while pending:
+            before = self.received
+            _, still = await asyncio.wait(pending, timeout=patience)
+            pending = list(still)
+            if pending and self.received == before:
+                raise RuntimeError(
+                    f"asyncpp: the end of {len(pending)} request(s)' streamed values did not arrive from "
+                    f"vLLM's workers within {patience:.0f} s of their collection"
+                )
+
+    async def _read(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            self.received += 1
+            try:
+                self._take(*_parse(frames[0]), frames[1])
+            except Exception:  # pragma: no cover - a malformed message must not stop the reader
+                continue
+
+    def _take(self, kind: str, stage: int, n: int, aid: str, payload: bytes) -> None:
+        stream = self.streams.get(aid)
+        if stream is None:  # a request whose caller has gone (cancelled, dropped): nobody listens
+            return
+        if kind == END:
+            if stream.got[stage] != n and stream.error is None:
+                stream.error = RemoteBlockError(
+                    f"pipeline stage {stage} sent {n} streamed values of this request, the caller "
+                    f"received {stream.got[stage]}"
+                )
+            stream.ends += 1
+            if stream.ends == self.stages:
+                self._flush(stream, last=True)
+                if not stream.done.done():
+                    stream.done.set_result(None)
+            return
+        stream.got[stage] += 1
+        try:
+            value = pickle.loads(payload)
+        except Exception as err:
+            value = None
+            if stream.error is None:
+                stream.error = RemoteBlockError(
+                    f"a value the block streamed (asyncpp.emit) could not be received: {err!r}"
+                )
+        if self.stages == 1:
+            self._deliver(stream, value)
+            return
+        parts = stream.parts.get(n)
+        if parts is None:
+            parts = stream.parts[n] = [NOT_HERE] * (self.stages + 1)
+            parts[-1] = 0  # how many stages have sent their n-th
+        parts[stage] = value
+        parts[-1] += 1
+        self._flush(stream, last=False)
+
+    def _flush(self, stream: Stream, last: bool) -> None:
+        """Pipeline parallel: merge and deliver the values every stage has sent, in order (at the
+        end, also those some stage never sent: what it would have held is not there)."""
+        parts = stream.parts
+        while parts:
+            entry = parts.get(stream.next)
+            if entry is None:
+                if not last:
+                    return
+                stream.next = min(parts)
+                continue
+            if entry[-1] < self.stages and not last:
+                return
+            del parts[stream.next]
+            stream.next += 1
+            try:
+                merged = merge(entry[:-1], where="emitted value")
+            except Exception as err:
+                merged = None
+                if stream.error is None:
+                    stream.error = err
+            self._deliver(stream, None if merged is NOT_HERE else merged)
+
+    def _deliver(self, stream: Stream, value: Any) -> None:
+        stream.values.append(value)
+        if stream.sink is not None:
+            try:
+                stream.sink(stream.index, value)
+            except Exception:  # pragma: no cover - the caller's side must not stop the reader
+                pass
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+        for aid in list(self.streams):
+            self.drop(aid)
+        self._sock.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
