@@ -1,0 +1,720 @@
+"""`asyncpp serve` over real HTTP: one server subprocess (vLLM, the tiny model, float32) for the module.
+
+The server runs `examples/serve_blocks.py` plus a few test-only blocks (a block that raises, one
+that crawls through a generation, sleeping on the model thread at every step), with two tokens: `alice`
+(untrusted, small limits) and `root` (trusted), and `--allow-code`. Results are checked against the
+same checkpoint run in this process by a `LocalEngine` (Hugging Face), and concurrent answers
+against the same requests run alone. The app mounted in a parent FastAPI app is served by uvicorn
+in a thread, on a `LocalEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncpp
+from asyncpp.serve import Registry, wire
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.timeout(120)  # the first test also waits for the server (20-40 s)
+
+ROOT = Path(__file__).resolve().parent.parent
+ATOL = 1e-4  # float32: vLLM's CPU kernels (batched with other requests) against Hugging Face
+ALICE = {"Authorization": "Bearer alice-token-0123"}
+ROOT_TOKEN = {"Authorization": "Bearer root-token-4567"}
+JSON = {"Content-Type": "application/json"}
+BIN = {"Content-Type": wire.CONTENT_TYPE}
+PROMPT = "The cat sat on the"
+
+TEST_BLOCKS = '''
+import time
+from typing import Annotated
+
+from asyncpp.serve import Range, block
+
+
+@block
+async def boom(m, message: str):
+    """Raise RuntimeError(message) after the first layer."""
+    await m.model.layers[0].output
+    raise RuntimeError(message)
+
+
+@block
+async def crawl(m, per_step: Annotated[float, Range(0, 1)]):
+    """Sleep at every generation step: a generation that takes long unless it is aborted."""
+    n = 0
+    async for _ in m.steps():
+        await m.logits
+        time.sleep(per_step)
+        n += 1
+    return n
+'''
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stats(self) -> dict:
+        r = httpx.get(self.url + "/v1/stats", headers=ROOT_TOKEN, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_stats(self, pred, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if pred(s) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    tokens = d / "tokens.json"
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {
+                        "token": "alice-token-0123",
+                        "name": "alice",
+                        "max_concurrent": 2,
+                        "max_new_tokens": 32,
+                        "max_invokes": 4,
+                    },
+                    {"token": "root-token-4567", "name": "root", "trusted": True, "max_concurrent": 64},
+                ]
+            }
+        )
+    )
+    blocks = d / "test_blocks.py"
+    blocks.write_text(TEST_BLOCKS)
+    log = d / "server.log"
+    cmd = [
+        sys.executable, "-m", "asyncpp.serve", "--port", "0", "--dtype", "float32",
+        "--blocks", str(ROOT / "examples" / "serve_blocks.py"), "--blocks", str(blocks),
+        "--tokens", str(tokens), "--allow-code", "--max-body-bytes", str(2**20),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCPP_TOKENS"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = None
+    deadline = time.monotonic() + 90
+    try:
+        while url is None:
+            text = log.read_text(errors="replace")
+            for line in text.splitlines():
+                if line.startswith("asyncpp: serving ") and " on http://" in line:
+                    url = line.split(" on ", 1)[1].strip()
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited ({proc.returncode}) before it was ready:\n{text[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not ready within 90 s:\n{text[-3000:]}")
+            time.sleep(0.2)
+        assert url.startswith("http://127.0.0.1:")
+        yield Server(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def local(tiny):
+    model, tok = tiny
+    engine = asyncpp.LocalEngine(model, tok)
+    yield engine
+    engine.close()
+
+
+def post(server, payload, *, headers=ROOT_TOKEN, binary=False, timeout=30):
+    body = wire.encode(payload) if binary else wire.encode_json(payload)
+    r = httpx.post(
+        server.url + "/v1/trace",
+        content=body,
+        headers={**headers, **(BIN if binary else JSON)},
+        timeout=timeout,
+    )
+    return r
+
+
+def ok(r):
+    assert r.status_code == 200, r.text[:500]
+    assert r.headers["content-type"].startswith(
+        wire.CONTENT_TYPE if r.request.headers["content-type"] == wire.CONTENT_TYPE else "application/json"
+    )
+    return wire.decode_body(r.content, r.headers["content-type"])
+
+
+def refused(r, status, kind=None):
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"type", "message"} and err["message"]
+    assert "Traceback" not in r.text
+    if kind is not None:
+        assert err["type"] == kind, err
+    return err
+
+
+# --- reference values from the same checkpoint, in this process ---------------------------------
+
+
+def hf_ids(tok, text):
+    return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+
+
+def local_steered_logits(local, layer, vec, scale):
+    async def steer(m, vec):
+        out = await m.model.layers[layer].output
+        out[:, -1] += scale * vec
+        return (await m.logits)[0, -1]
+
+    with asyncpp.trace(local) as t:
+        h = t.invoke(PROMPT, steer, vec)
+    return h.result
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+def test_health_blocks_and_auth(server):
+    r = httpx.get(server.url + "/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    refused(httpx.get(server.url + "/v1/blocks", timeout=10), 401, "AuthenticationError")
+    refused(httpx.get(server.url + "/v1/blocks", headers={"Authorization": "Bearer nope"}), 401)
+    refused(httpx.get(server.url + "/v1/blocks", headers={"Authorization": "Basic YWxpY2U="}), 401)
+    r = httpx.get(server.url + "/v1/blocks", headers=ALICE, timeout=10)
+    assert r.status_code == 200
+    names = [b["name"] for b in r.json()["blocks"]]
+    assert names[:3] == ["steer", "read_layer", "logit_lens"] and "boom" in names
+    steer = r.json()["blocks"][0]
+    assert [p["name"] for p in steer["params"]] == ["layer", "vec", "scale"]
+    assert steer["params"][1] == {
+        "name": "vec", "type": "tensor", "dtype": "float32", "max_shape": [16384],
+        "nullable": False, "required": True,
+    }  # fmt: skip
+    refused(httpx.get(server.url + "/v1/stats", headers=ALICE, timeout=10), 403, "PermissionError")
+    refused(httpx.get(server.url + "/nowhere", timeout=10), 404, "NotFound")
+
+
+def test_steering_and_reads_match_local_engine(server, local, tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    vec = torch.randn(128)
+    payload = {
+        "invokes": [
+            {"prompt": PROMPT, "block": "steer", "args": {"layer": 1, "vec": vec, "scale": 3.0}},
+            {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 2}},
+            {"prompt": PROMPT, "block": "steer", "args": {"layer": 1, "vec": torch.zeros(128)}},
+            {"prompt": PROMPT},
+        ]
+    }
+    out = ok(post(server, payload, binary=True))
+    assert out["model"] == "asyncpp-tiny-llama"
+    steered, hidden, unsteered, plain = out["invokes"]
+    for inv in out["invokes"]:
+        assert inv["error"] is None and len(inv["tokens"]) == 1
+        assert inv["text"] == tok.decode(inv["tokens"], skip_special_tokens=True)
+    assert plain["result"] is None
+    with torch.no_grad():
+        ref = model(hf_ids(tok, PROMPT), output_hidden_states=True)
+    torch.testing.assert_close(hidden["result"], ref.hidden_states[3][0, -1], rtol=0, atol=ATOL)
+    torch.testing.assert_close(unsteered["result"], ref.logits[0, -1], rtol=0, atol=ATOL)
+    expected = local_steered_logits(local, 1, vec, 3.0)
+    torch.testing.assert_close(steered["result"], expected, rtol=0, atol=ATOL)
+    assert (steered["result"] - unsteered["result"]).abs().max() > 0.1  # the edit did something
+    assert steered["tokens"] == [int(expected.argmax())]
+    assert plain["tokens"] == unsteered["tokens"] == [int(ref.logits[0, -1].argmax())]
+
+
+def test_logit_lens_invariants_json(server, tiny):
+    model, tok = tiny
+    out = ok(post(server, {"invokes": [{"prompt": PROMPT, "block": "logit_lens", "args": {"k": 3}}]}))
+    inv = out["invokes"][0]
+    lens = inv["result"]["lens"]
+    assert len(lens) == 4 and all(len(row) == 3 for row in lens)
+    # the lens of the last layer is the model's own logits, and top-1 is the sampled token
+    assert lens[-1] == inv["result"]["logits"]
+    assert lens[-1][0] == inv["tokens"][0]
+    with torch.no_grad():
+        hs = model(hf_ids(tok, PROMPT), output_hidden_states=True).hidden_states
+        ref = [model.lm_head(model.model.norm(hs[i + 1][0, -1])).topk(3).indices.tolist() for i in range(3)]
+    assert lens[:3] == ref
+
+
+def test_generate_several_invokes_both_content_types(server, tiny):
+    model, tok = tiny
+    prompts = ["Hello", "The quick brown fox", tok("Once upon", add_special_tokens=False)["input_ids"]]
+    payload = {
+        "generate": True,
+        "max_new_tokens": 6,
+        "sampling": {"ignore_eos": True},
+        "invokes": [
+            {"prompt": prompts[0]},
+            {"prompt": prompts[1], "block": "read_layer", "args": {"layer": 0}},
+            {"prompt": prompts[2], "block": "logit_lens"},
+        ],
+    }
+    as_json = ok(post(server, payload))
+    as_bin = ok(post(server, payload, binary=True))
+    for a, b, prompt in zip(as_json["invokes"], as_bin["invokes"], prompts):
+        assert a["error"] is None and len(a["tokens"]) == 6
+        assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+        ids = hf_ids(tok, prompt) if isinstance(prompt, str) else torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        assert a["tokens"] == ref[0, ids.shape[1] :].tolist()
+    torch.testing.assert_close(
+        as_json["invokes"][1]["result"], as_bin["invokes"][1]["result"], rtol=0, atol=0
+    )
+    assert as_json["invokes"][2]["result"]["lens"][-1][0] == as_json["invokes"][2]["tokens"][0]
+
+
+def test_a_block_that_raises_fails_only_its_invoke(server):
+    payload = {
+        "invokes": [
+            {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 1}},
+            {"prompt": PROMPT, "block": "boom", "args": {"message": "kaboom 42"}},
+            {"prompt": PROMPT, "block": "steer", "args": {"layer": 1, "vec": torch.ones(64)}},
+            {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 9}},
+            {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 1}},
+        ]
+    }
+    good, boom, bad_vec, bad_layer, again = ok(post(server, payload, binary=True))["invokes"]
+    assert boom["error"] == {"type": "RuntimeError", "message": "kaboom 42"} and boom["result"] is None
+    assert bad_vec["error"]["type"] == "ValueError" and "hidden size is 128" in bad_vec["error"]["message"]
+    assert bad_layer["error"] is not None and bad_layer["result"] is None
+    assert good["error"] is None and again["error"] is None
+    torch.testing.assert_close(good["result"], again["result"], rtol=0, atol=ATOL)
+    assert "Traceback" not in json.dumps([boom["error"], bad_vec["error"], bad_layer["error"]])
+
+
+def _big_json_tensor():
+    return json.dumps(
+        {
+            "invokes": [
+                {
+                    "prompt": "x",
+                    "block": "steer",
+                    "args": {
+                        "layer": 0,
+                        "vec": {"__tensor__": {"dtype": "float32", "shape": [2**25], "data": ""}},
+                    },
+                }
+            ]
+        }
+    ).encode()
+
+
+def _code(block, *args, **kwargs) -> str:
+    from asyncpp.engines.vllm.transport import pack_block
+
+    return base64.b64encode(pack_block(block, args, kwargs)).decode("ascii")
+
+
+async def shipped_block(m, layer, scale=1.0):
+    mlp_out, residual = await m.model.layers[layer].output
+    return ((mlp_out + residual)[-1] * scale).float()
+
+
+ERROR_CASES = [
+    # (name, body bytes or payload, content type, headers, status, error type)
+    ("malformed JSON", b'{"invokes": [', "application/json", ROOT_TOKEN, 400, "WireError"),
+    ("not an object", b"[1, 2]", "application/json", ROOT_TOKEN, 400, "RequestError"),
+    ("NaN literal", b'{"invokes": NaN}', "application/json", ROOT_TOKEN, 400, "WireError"),
+    ("bad wire body", b"APW1\x05", wire.CONTENT_TYPE, ROOT_TOKEN, 400, "WireError"),
+    ("content type", b"{}", "text/plain", ROOT_TOKEN, 400, "WireError"),
+    ("unknown key", {"invokes": [{"prompt": "x"}], "stream": True}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("unknown invoke key", {"invokes": [{"prompt": "x", "blok": "steer"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("no invokes", {"invokes": []}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("prompt type", {"invokes": [{"prompt": 3}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("prompt ids", {"invokes": [{"prompt": [1, True]}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("generate without n", {"generate": True, "invokes": [{"prompt": "x"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("n without generate", {"max_new_tokens": 3, "invokes": [{"prompt": "x"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("sampling key", {"sampling": {"max_tokens": 3}, "invokes": [{"prompt": "x"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("sampling type", {"sampling": {"temperature": "hot"}, "invokes": [{"prompt": "x"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("empty prompt", {"invokes": [{"prompt": ""}]}, None, ROOT_TOKEN, 400, "InputError"),
+    ("prompt too long", {"invokes": [{"prompt": [5] * 600}]}, None, ROOT_TOKEN, 400, "InputError"),
+    ("unknown block", {"invokes": [{"prompt": "x", "block": "stear"}]}, None, ROOT_TOKEN, 422, "UnknownBlockError"),
+    ("arg type", {"invokes": [{"prompt": "x", "block": "read_layer", "args": {"layer": "1"}}]}, None, ROOT_TOKEN, 422, "BlockArgumentError"),
+    ("arg range", {"invokes": [{"prompt": "x", "block": "read_layer", "args": {"layer": -1}}]}, None, ROOT_TOKEN, 422, "BlockArgumentError"),
+    ("missing arg", {"invokes": [{"prompt": "x", "block": "read_layer"}]}, None, ROOT_TOKEN, 422, "BlockArgumentError"),
+    ("extra arg", {"invokes": [{"prompt": "x", "block": "read_layer", "args": {"layer": 1, "x": 2}}]}, None, ROOT_TOKEN, 422, "BlockArgumentError"),
+    ("tensor dtype", {"invokes": [{"prompt": "x", "block": "steer", "args": {"layer": 1, "vec": torch.zeros(128, dtype=torch.float64)}}]}, None, ROOT_TOKEN, 422, "BlockArgumentError"),
+    ("tensor shape", {"invokes": [{"prompt": "x", "block": "steer", "args": {"layer": 1, "vec": torch.zeros(2, 128)}}]}, None, ROOT_TOKEN, 422, "BlockArgumentError"),
+    ("tensor over the wire limit", _big_json_tensor(), "application/json", ROOT_TOKEN, 413, "WireLimitError"),
+    ("too many invokes", {"invokes": [{"prompt": "x"}] * 5}, None, ALICE, 400, "RequestError"),
+    ("max_new_tokens cap", {"generate": True, "max_new_tokens": 33, "invokes": [{"prompt": "x"}]}, None, ALICE, 400, "RequestError"),
+    ("no token", {"invokes": [{"prompt": "x"}]}, None, {}, 401, "AuthenticationError"),
+    ("bad token", {"invokes": [{"prompt": "x"}]}, None, {"Authorization": "Bearer alice-token-012"}, 401, "AuthenticationError"),
+    ("code, untrusted", {"invokes": [{"prompt": "x", "code": "not even base64"}]}, None, ALICE, 403, "PermissionError"),
+    ("code and block", {"invokes": [{"prompt": "x", "code": "AAAA", "block": "steer"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+    ("code not base64", {"invokes": [{"prompt": "x", "code": "@@@"}]}, None, ROOT_TOKEN, 400, "RequestError"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_error_statuses(server, case):
+    _, body, ctype, headers, status, kind = case
+    if ctype is None:
+        ctype, body = "application/json", wire.encode_json(body)
+    r = httpx.post(
+        server.url + "/v1/trace", content=body, headers={**headers, "Content-Type": ctype}, timeout=30
+    )
+    err = refused(r, status, kind)
+    if case[0] == "max_new_tokens cap":
+        assert "32" in err["message"]
+    if case[0] == "too many invokes":
+        assert "4" in err["message"]
+
+
+def test_oversized_bodies(server):
+    big = b"{" + b" " * (2**20) + b"}"  # one byte over the server's --max-body-bytes of 1 MiB
+    r = httpx.post(server.url + "/v1/trace", content=big, headers={**ROOT_TOKEN, **JSON}, timeout=30)
+    refused(r, 413, "WireLimitError")
+
+    def chunks():  # no Content-Length: the server counts what it reads
+        for _ in range(20):
+            yield b" " * 65536
+
+    r = httpx.post(server.url + "/v1/trace", content=chunks(), headers={**ROOT_TOKEN, **JSON}, timeout=30)
+    refused(r, 413, "WireLimitError")
+    # a body just under the limit is read (and then judged on its content)
+    r = httpx.post(
+        server.url + "/v1/trace", content=b" " * (2**20 - 10) + b"[]", headers={**ROOT_TOKEN, **JSON}
+    )
+    refused(r, 400, "RequestError")
+
+
+def test_shipped_code_from_the_trusted_token(server):
+    payload = {
+        "invokes": [
+            {"prompt": PROMPT, "code": _code(shipped_block, 2, scale=2.0)},
+            {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 2}},
+        ]
+    }
+    code, registered = ok(post(server, payload, binary=True))["invokes"]
+    assert code["error"] is None and registered["error"] is None
+    torch.testing.assert_close(code["result"], 2.0 * registered["result"], rtol=0, atol=ATOL)
+    # the same code from the untrusted token is refused before it is looked at
+    refused(post(server, payload, headers=ALICE), 403, "PermissionError")
+
+
+def crawling(n, per_step):
+    return {
+        "generate": True,
+        "max_new_tokens": n,
+        "sampling": {"ignore_eos": True},
+        "invokes": [{"prompt": "x", "block": "crawl", "args": {"per_step": per_step}}],
+    }
+
+
+def test_concurrency_limit_per_token(server):
+    slow = crawling(32, 0.04)  # two of them: about 2.5 s (the steps' sleeps add up)
+    answers = []
+    threads = [
+        threading.Thread(target=lambda: answers.append(post(server, slow, headers=ALICE))) for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    s = server.wait_stats(lambda s: s["in_flight"] >= 2)
+    assert s["in_flight"] >= 2, s
+    r = post(server, {"invokes": [{"prompt": "x"}]}, headers=ALICE)
+    refused(r, 429, "TooManyRequests")
+    ok(post(server, {"invokes": [{"prompt": "x"}]}))  # another token is not limited by alice's
+    for t in threads:
+        t.join(30)
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [a.json()["invokes"][0]["result"] for a in answers] == [32, 32]
+    ok(post(server, {"invokes": [{"prompt": "x"}]}, headers=ALICE))  # her slots are free again
+
+
+def test_disconnect_aborts_the_trace(server):
+    before = server.stats()
+    crawl = crawling(400, 0.02)  # about 8 s (400 steps x 20 ms) unless aborted
+    start = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, crawl, timeout=0.8)
+    s = server.wait_stats(lambda s: s["in_flight"] == 0 and s["aborted"] > before["aborted"], timeout=5)
+    took = time.monotonic() - start
+    assert s["aborted"] == before["aborted"] + 1 and s["in_flight"] == 0, s
+    assert took < 4, took  # aborted, not run to the end
+    for w in s["workers"]:  # no per-request state left on the worker
+        assert all(v == 0 for k, v in w.items() if k not in ("pid", "hot_in")), w
+    # the engine is free at once: a short request is answered quickly
+    t0 = time.monotonic()
+    ok(post(server, {"invokes": [{"prompt": "x"}]}))
+    assert time.monotonic() - t0 < 3
+
+
+def _good_requests(tok):
+    torch.manual_seed(1)
+    vec = torch.randn(128)
+    return [
+        ({"invokes": [{"prompt": PROMPT, "block": "steer", "args": {"layer": 2, "vec": vec, "scale": 2.0}}]}, True),
+        ({"invokes": [{"prompt": "Hello world", "block": "logit_lens", "args": {"k": 2}}]}, False),
+        (
+            {
+                "generate": True,
+                "max_new_tokens": 8,
+                "sampling": {"ignore_eos": True},
+                "invokes": [{"prompt": "Once upon a time"}, {"prompt": "A", "block": "read_layer", "args": {"layer": 3}}],
+            },
+            True,
+        ),
+        ({"invokes": [{"prompt": tok("abc", add_special_tokens=False)["input_ids"], "block": "read_layer", "args": {"layer": 0}}]}, False),
+        ({"invokes": [{"prompt": PROMPT, "code": _code(shipped_block, 1)}]}, True),
+    ]  # fmt: skip
+
+
+_BAD_REQUESTS = [
+    (b'{"invokes": [{"prompt": "x", "block": "nope"}]}', ROOT_TOKEN, 422),
+    (b'{"invokes": [{"prompt": "x"}', ROOT_TOKEN, 400),
+    (b'{"invokes": [{"prompt": "x", "block": "read_layer", "args": {"layer": 1.5}}]}', ROOT_TOKEN, 422),
+    (b'{"invokes": [{"prompt": "x"}]}', {"Authorization": "Bearer wrong"}, 401),
+    (b'{"invokes": [{"prompt": "x", "code": "AAAA"}]}', ALICE, 403),
+    (b'{"invokes": [{"prompt": "x", "block": "boom", "args": {"message": "bad"}}]}', ROOT_TOKEN, 200),
+]
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_clients_mixing_good_and_bad_requests(server, tiny):
+    _, tok = tiny
+    good = _good_requests(tok)
+    alone = [ok(post(server, payload, binary=binary)) for payload, binary in good]
+    n_clients = 48
+
+    async def client(i, http):
+        if i % 3 == 2:  # a third of the clients send something bad
+            body, headers, status = _BAD_REQUESTS[(i // 3) % len(_BAD_REQUESTS)]
+            r = await http.post("/v1/trace", content=body, headers={**headers, **JSON})
+            assert r.status_code == status, r.text[:300]
+            if status == 200:
+                inv = r.json()["invokes"][0]
+                assert inv["error"] == {"type": "RuntimeError", "message": "bad"}
+            else:
+                assert set(r.json()["error"]) == {"type", "message"}
+            return "bad"
+        k = i % len(good)
+        payload, binary = good[k]
+        body = wire.encode(payload) if binary else wire.encode_json(payload)
+        r = await http.post("/v1/trace", content=body, headers={**ROOT_TOKEN, **(BIN if binary else JSON)})
+        assert r.status_code == 200, r.text[:300]
+        got = wire.decode_body(r.content, r.headers["content-type"])
+        for a, b in zip(got["invokes"], alone[k]["invokes"]):
+            assert a["error"] is None and a["tokens"] == b["tokens"] and a["text"] == b["text"]
+            _same(a["result"], b["result"])
+        return "good"
+
+    async def main():
+        limits = httpx.Limits(max_connections=n_clients)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+            return await asyncio.gather(*(client(i, http) for i in range(n_clients)))
+
+    start = time.monotonic()
+    kinds = asyncio.run(main())
+    assert kinds.count("good") == 32 and kinds.count("bad") == 16
+    assert time.monotonic() - start < 60
+    s = server.wait_stats(lambda s: s["in_flight"] == 0)
+    assert s["in_flight"] == 0
+    for w in s["workers"]:
+        assert w["requests"] == 0 and w["blocks"] == 0, w
+
+
+# --- the app mounted in a user's own ASGI app (uvicorn in a thread, on a LocalEngine) -----------------
+
+
+def test_create_app_mounted_in_a_parent_app(local, tiny):
+    from fastapi import FastAPI
+
+    from asyncpp.serve.app import ServeLimits, create_app
+
+    _, tok = tiny
+    reg = Registry()
+
+    @reg.block
+    async def last_hidden(m, layer: int):
+        """The HF layer output at the last position."""
+        return (await m.model.layers[layer].output)[0, -1]
+
+    parent = FastAPI()
+
+    @parent.get("/mine")
+    async def mine():
+        return {"parent": True}
+
+    parent.mount("/asyncpp", create_app(local, reg, limits=ServeLimits(max_invokes=2), model_name="tiny-hf"))
+    config = uvicorn.Config(parent, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not srv.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/mine").json() == {"parent": True}
+        assert httpx.get(base + "/asyncpp/health").json() == {"status": "ok"}
+        assert httpx.get(base + "/asyncpp/v1/blocks").json()["blocks"][0]["name"] == "last_hidden"
+        body = wire.encode({"invokes": [{"prompt": PROMPT, "block": "last_hidden", "args": {"layer": 1}}]})
+        r = httpx.post(base + "/asyncpp/v1/trace", content=body, headers=BIN, timeout=30)
+        assert r.status_code == 200, r.text
+        out = wire.decode(r.content)
+        assert out["model"] == "tiny-hf"
+        model, _ = tiny
+        with torch.no_grad():
+            ref = model(hf_ids(tok, PROMPT), output_hidden_states=True).hidden_states[2][0, -1]
+        torch.testing.assert_close(out["invokes"][0]["result"], ref, rtol=0, atol=1e-6)
+        # no code without allow_code, whatever the (absent) token; limits apply
+        code = {"invokes": [{"prompt": PROMPT, "code": "AAAA"}]}
+        refused(httpx.post(base + "/asyncpp/v1/trace", content=wire.encode_json(code), headers=JSON), 403)
+        three = {"invokes": [{"prompt": "a"}] * 3}
+        refused(httpx.post(base + "/asyncpp/v1/trace", content=wire.encode_json(three), headers=JSON), 400)
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def test_dead_engine_answers_503():
+    from asyncpp.serve.app import create_app
+
+    class DeadEngine:
+        dead = True
+        tokenizer = None
+
+    async def main():
+        transport = httpx.ASGITransport(app=create_app(DeadEngine()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json() == {"status": "dead"}
+            r = await http.post("/v1/trace", content=b'{"invokes": [{"prompt": "x"}]}', headers=JSON)
+            refused(r, 503, "EngineDeadError")
+
+    asyncio.run(main())
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def test_cli_splits_engine_options():
+    from asyncpp.serve.cli import parse_args
+
+    args, engine = parse_args(
+        ["serve", "some/model", "--dtype", "float32", "--tensor-parallel-size", "2", "--port", "0",
+         "--enforce-eager", "--blocks", "a.py", "--blocks=b", "--seed=-1", "--max-body-bytes", "10"]
+    )  # fmt: skip
+    assert args.model == "some/model" and args.port == 0 and args.blocks == ["a.py", "b"]
+    assert args.max_body_bytes == 10 and args.host == "127.0.0.1" and not args.allow_code
+    assert engine == {"dtype": "float32", "tensor_parallel_size": 2, "enforce_eager": True, "seed": -1}
+    args, engine = parse_args(["--model", "m", "--kv-cache-gib", "0.5"])
+    assert args.model == "m" and engine == {"kv_cache_gib": 0.5}
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_a_public_host_without_tokens(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCPP_TOKENS"}
+    r = subprocess.run(
+        [sys.executable, "-m", "asyncpp.serve", "--host", "0.0.0.0", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=50, env=env,
+    )  # fmt: skip
+    assert r.returncode == 2 and "refusing to serve on 0.0.0.0 without tokens" in r.stderr
+    bad = tmp_path / "tokens.json"
+    bad.write_text('{"tokens": [{"token": "t", "name": "a", "max_concurent": 3}]}')
+    r = subprocess.run(
+        [sys.executable, "-m", "asyncpp.serve", "--tokens", str(bad)],
+        cwd=ROOT, capture_output=True, text=True, timeout=50, env=env,
+    )  # fmt: skip
+    assert r.returncode == 2 and "unknown keys ['max_concurent']" in r.stderr
+
+
+def test_tokens_file_and_constant_time_lookup():
+    from asyncpp.serve.auth import TokenError, Tokens
+
+    toks = Tokens.from_data(
+        {
+            "tokens": [
+                {"token": "a-1", "name": "a"},
+                {"token": "b-2", "name": "b", "trusted": True, "max_invokes": 2},
+            ]
+        }
+    )
+    assert toks.authenticate("Bearer b-2").name == "b" and toks.authenticate("bearer  a-1 ").name == "a"
+    assert toks.authenticate("Bearer b-") is None and toks.authenticate(None) is None
+    assert toks.authenticate("b-2") is None and "b-2" not in repr(list(toks))
+    for bad in (
+        {"tokens": [{"token": "x", "name": "a"}, {"token": "x", "name": "b"}]},
+        {"tokens": [{"token": "x", "name": "a"}, {"token": "y", "name": "a"}]},
+        {"tokens": [{"token": "x", "name": "a", "trusted": "yes"}]},
+        {"tokens": [{"token": "x", "name": "a", "max_concurrent": 0}]},
+        {"tokens": [{"token": "x y", "name": "a"}]},
+        {"tokens": []},
+        {"tokenz": []},
+    ):
+        with pytest.raises(TokenError):
+            Tokens.from_data(bad)
+
+
+# --- last: shutdown (ends the module's server) ---------------------------------------------------
+
+
+def test_zz_shutdown_finishes_in_flight_requests_and_closes_the_engine(server):
+    answers = []
+    slow = crawling(100, 0.02)  # about 2 s
+    thread = threading.Thread(target=lambda: answers.append(post(server, slow)))
+    thread.start()
+    assert server.wait_stats(lambda s: s["in_flight"] >= 1)["in_flight"] >= 1
+    server.proc.send_signal(signal.SIGTERM)
+    thread.join(30)
+    assert [a.status_code for a in answers] == [200], server.log_tail()
+    assert answers[0].json()["invokes"][0]["result"] == 100
+    rc = server.proc.wait(40)
+    log = server.log_tail(20000)
+    assert rc == 0, log[-3000:]
+    assert "asyncpp: stopped" in log and "Traceback" not in log, log[-3000:]
