@@ -533,19 +533,23 @@ def test_backward_in_a_vllm_block_is_a_clear_error(vllm_engine):
             t.invoke("Hello", block)
 
 
-def test_streaming_is_refused_clearly_on_vllm(vllm_engine):
+def test_streaming_on_vllm(vllm_engine):
+    # (tests/test_vllm_streaming.py has the rest: live delivery, concurrency, failures, cancel)
+    assert vllm_engine.supports_streaming
+
     async def block(m):
-        asyncpp.emit(1)
-        return await m.logits
+        async for _step in m.steps():
+            asyncpp.emit(int((await m.logits).argmax()))
+        return "done"
 
     async def main():
-        async with asyncpp.trace(vllm_engine) as t:
+        async with asyncpp.generate(vllm_engine, max_new_tokens=3, ignore_eos=True) as t:
             h = t.invoke("Hello", block)
-            async for _ in h.stream():
-                pass
+            got = [v async for v in h.stream()]
+        return h, got
 
-    with pytest.raises(asyncpp.AsyncppError, match="does not stream values from blocks yet"):
-        asyncio.run(main())
-    with pytest.raises(asyncpp.AsyncppError, match="does not stream values from blocks"):
-        with asyncpp.trace(vllm_engine) as t:
-            t.invoke("Hello", block)
+    h, got = asyncio.run(main())
+    assert got == h.emitted == h.tokens[0].tolist() and h.result == "done"
+    with asyncpp.generate(vllm_engine, max_new_tokens=3, ignore_eos=True) as t:
+        h2 = t.invoke("Hello", block)
+    assert h2.emitted == got

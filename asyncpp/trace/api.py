@@ -199,7 +199,13 @@ class Trace:
                     self._abandon()
                 return
             live.settled = True
-            self._settle(await live.wait())
+            try:
+                outcome = await live.wait()
+            except BaseException:  # cancelled while waiting (or the run failed: then a no-op)
+                if self._abandon is not None:
+                    self._abandon()
+                raise
+            self._settle(outcome)
             return
         if exc_type is not None or self._ran:
             return

@@ -1,0 +1,320 @@
+"""Streaming from blocks on a real vLLM engine: ``asyncpp.emit`` in a block running in vLLM's worker
+process, values received live by ``h.stream()`` / ``t.stream()`` in the caller's process.
+
+One engine (PP=1) is shared by the module; one pipeline-parallel engine (PP=2) serves the last two
+tests, the last of which kills one of its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+import torch
+
+import asyncpp
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = asyncpp.VllmEngine(dtype="float32")
+    yield engine
+    engine.close()
+
+
+def assert_clean(engine, deadline_s: float = 30.0) -> None:
+    """No per-request state left, on the workers and in the driver (polled: an aborted request's
+    state goes when vLLM reports it finished)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        stats = engine.worker_stats()
+        busy = [s for s in stats if s["requests"] or s["done"] or s["blocks"] or s["emitting"]]
+        if not busy and not engine._receiver.streams:
+            break
+        assert time.monotonic() < deadline, (stats, list(engine._receiver.streams))
+        time.sleep(0.05)
+    for s in stats:
+        assert s["waits"] == 0 and s["gates"] == 0 and s["hot_out"] == 0, s
+
+
+async def steps_and_flag(m, flag, tag):
+    """Emits (tag, step) at every step and records the first step at which ``flag`` exists: the
+    caller creates it when it receives step 0's value."""
+    import os
+    import time
+
+    seen = None
+    async for step in m.steps():
+        await m.model.layers[0].output
+        if seen is None and os.path.exists(flag):
+            seen = step
+        asyncpp.emit((tag, step))
+        time.sleep(0.003)  # a long enough request: 96 steps of at least 3 ms
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_values_reach_the_caller_while_the_request_runs(engine, tmp_path):
+    # causal: the block sees, while it still runs, the file the caller wrote on receiving step 0's
+    # value; values that arrived only with the outcome could not have been seen by the block
+    flag = str(tmp_path / "got-step-0")
+    n = 96
+
+    async def main():
+        got = []
+        async with asyncpp.generate(engine, max_new_tokens=n, ignore_eos=True) as t:
+            h = t.invoke("Hello there", steps_and_flag, flag, "a")
+            async for v in h.stream():
+                if not got:
+                    pathlib.Path(flag).write_text("x")
+                got.append(v)
+        return h, got
+
+    h, got = asyncio.run(main())
+    assert got == [("a", s) for s in range(n)]
+    assert h.emitted == got
+    assert h.result is not None and h.result < n - 1, h.result
+    assert_clean(engine)
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_traces_each_get_only_their_own_values_in_order(engine, tmp_path):
+    async def one(k):
+        n = 4 + k % 5
+        async with asyncpp.generate(engine, max_new_tokens=n, ignore_eos=True) as t:
+            a = t.invoke("Hello", steps_and_flag, str(tmp_path / "never"), f"{k}a")
+            b = t.invoke("The cat sat", steps_and_flag, str(tmp_path / "never"), f"{k}b")
+            pairs = [(h.index, v) async for h, v in t.stream()]
+        mine_a = [v for i, v in pairs if i == 0]
+        mine_b = [v for i, v in pairs if i == 1]
+        assert mine_a == [(f"{k}a", s) for s in range(n)]
+        assert mine_b == [(f"{k}b", s) for s in range(n)]
+        assert a.emitted == mine_a and b.emitted == mine_b
+        assert [v async for v in a.stream()] == mine_a  # after the run: a replay
+        return len(pairs)
+
+    async def main():
+        return await asyncio.gather(*(one(k) for k in range(12)))
+
+    counts = asyncio.run(main())
+    assert counts == [2 * (4 + k % 5) for k in range(12)]
+    assert_clean(engine)
+
+
+@pytest.mark.timeout(60)
+def test_sync_with_fills_emitted_with_tensors_and_values_made_after_the_loop(engine):
+    async def lens(m):
+        out = []
+        async for step in m.steps():
+            logits = (await m.logits)[-1]
+            asyncpp.emit({"step": step, "logits": logits})
+            out.append(logits.clone())
+        asyncpp.emit("after the loop")  # runs when the request's block is finished (collection)
+        return out
+
+    with asyncpp.generate(engine, max_new_tokens=5, ignore_eos=True) as t:
+        h = t.invoke("The quick brown fox", lens)
+    assert [e["step"] for e in h.emitted[:-1]] == list(range(5))
+    assert h.emitted[-1] == "after the loop"
+    for e, ref in zip(h.emitted[:-1], h.result):
+        torch.testing.assert_close(e["logits"], ref, rtol=0, atol=0)
+    assert [int(e["logits"].argmax()) for e in h.emitted[:-1]] == h.tokens[0].tolist()
+
+    async def replay():
+        async with asyncpp.generate(engine, max_new_tokens=5, ignore_eos=True) as t2:
+            h2 = t2.invoke("The quick brown fox", lens)
+        return h2, [v async for v in h2.stream()]
+
+    h2, again = asyncio.run(replay())  # async entry without streaming: emitted, and a replay
+    assert [e["step"] for e in h2.emitted[:-1]] == list(range(5))
+    assert len(again) == 6
+    assert_clean(engine)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_block_streams_what_it_emitted_before_failing(engine):
+    async def fails(m):
+        async for step in m.steps():
+            await m.model.layers[1].output
+            asyncpp.emit(step)
+            if step == 2:
+                raise ValueError("boom after three values")
+
+    async def good(m):
+        async for step in m.steps():
+            await m.model.layers[1].output
+            asyncpp.emit(-step)
+        return "ok"
+
+    async def main():
+        got = []
+        with pytest.raises(ValueError, match="boom after three values"):
+            async with asyncpp.generate(engine, max_new_tokens=6, ignore_eos=True) as t:
+                bad = t.invoke("Hello", fails)
+                ok = t.invoke("Hello", good)
+                async for h, v in t.stream():
+                    got.append((h.index, v))
+        return bad, ok, got
+
+    bad, ok, got = asyncio.run(main())
+    assert [v for i, v in got if i == 0] == [0, 1, 2] == bad.emitted
+    assert [v for i, v in got if i == 1] == [0, -1, -2, -3, -4, -5] == ok.emitted
+    assert ok.result == "ok"
+
+    with pytest.raises(ValueError, match="boom"):  # sync: the same values, with the outcome
+        with asyncpp.generate(engine, max_new_tokens=6, ignore_eos=True) as t:
+            bad = t.invoke("Hello", fails)
+    assert bad.emitted == [0, 1, 2]
+    assert_clean(engine)
+
+
+@pytest.mark.timeout(60)
+def test_a_value_that_does_not_pickle_fails_the_block_at_its_emit(engine):
+    async def unpicklable(m):
+        import threading
+
+        await m.model.layers[0].output
+        asyncpp.emit("first")
+        asyncpp.emit(threading.Lock())
+        return "not reached"
+
+    with pytest.raises(asyncpp.AsyncppError, match="could not be sent from the worker") as err:
+        with asyncpp.trace(engine) as t:
+            h = t.invoke("Hello", unpicklable)
+    assert "asyncpp.emit(threading.Lock())" in "\n".join(getattr(err.value, "__notes__", []))
+    assert h.emitted == ["first"]
+    assert_clean(engine)
+
+
+async def slow(m, path):
+    import pathlib
+    import time
+
+    async for step in m.steps():
+        await m.model.layers[0].output
+        pathlib.Path(path).write_text(str(step))
+        asyncpp.emit(step)
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["in the stream", "at the exit"])
+def test_cancelling_mid_stream_aborts_the_requests(engine, tmp_path, where):
+    path = str(tmp_path / "last-step")
+    n = 400  # 2 s at least: cancelled after step 3
+
+    async def main():
+        third = asyncio.Event()
+
+        async def consume():
+            async with asyncpp.generate(engine, max_new_tokens=n, ignore_eos=True) as t:
+                t.invoke("Hello", slow, path)
+                t.invoke("The cat", slow, path + "-2")
+                async for _, v in t.stream():
+                    if v == 3:
+                        third.set()
+                        if where == "at the exit":
+                            break  # then wait in the async with's exit, and be cancelled there
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        await third.wait()
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert_clean(engine)
+    last = int(pathlib.Path(path).read_text())
+    time.sleep(0.2)
+    assert int(pathlib.Path(path).read_text()) == last  # it stays stopped
+    assert last < n - 1, last  # aborted: it never reached its last step
+
+
+@pytest.mark.timeout(60)
+def test_streaming_under_trio(engine):
+    trio = pytest.importorskip("trio")
+
+    async def block(m):
+        async for step in m.steps():
+            await m.model.layers[0].output
+            asyncpp.emit(step * 10)
+
+    async def main():
+        async with asyncpp.generate(engine, max_new_tokens=4, ignore_eos=True) as t:
+            h = t.invoke("Hello", block)
+            return [v async for v in h.stream()], h
+
+    got, h = trio.run(main)
+    assert got == [0, 10, 20, 30] == h.emitted
+
+
+# --- pipeline parallel (one more engine) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_stages():
+    engine = asyncpp.VllmEngine(dtype="float32", pipeline_parallel_size=2)
+    yield engine
+    engine.close()
+
+
+async def both_stages(m):
+    """Values of both stages in one emitted value: layer 0 (stage 0) and the logits (stage 1)."""
+    out = []
+    async for step in m.steps():
+        l0 = await m.model.layers[0].output
+        logits = await m.logits
+        value = {"step": step, "l0": l0[0][-1] + l0[1][-1], "logits": logits[-1]}
+        asyncpp.emit(value)
+        out.append(value)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_parallel_merges_each_value_from_its_stages(two_stages, engine):
+    async def main(eng):
+        async with asyncpp.generate(eng, max_new_tokens=6, ignore_eos=True) as t:
+            h = t.invoke("The quick brown fox", both_stages)
+            got = [v async for v in h.stream()]
+        return h, got
+
+    h, got = asyncio.run(main(two_stages))
+    ref, _ = asyncio.run(main(engine))
+    assert [v["step"] for v in got] == list(range(6))  # once each: no stage's copy twice
+    assert len(h.emitted) == 6
+    for v, r, res in zip(got, ref.emitted, h.result):
+        for key in ("l0", "logits"):
+            assert isinstance(v[key], torch.Tensor), (key, v[key])
+            torch.testing.assert_close(v[key], r[key], rtol=0, atol=1e-4)
+            torch.testing.assert_close(v[key], res[key], rtol=0, atol=0)
+    assert_clean(two_stages)
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_engine_ends_the_stream_with_engine_dead_error(two_stages, tmp_path):
+    # (the last test of the module on this engine: it kills worker rank 0)
+    pid = two_stages.worker_stats()[0]["pid"]
+    path = str(tmp_path / "last")
+
+    async def main():
+        got = []
+        with pytest.raises(asyncpp.EngineDeadError):
+            async with asyncpp.generate(two_stages, max_new_tokens=400, ignore_eos=True) as t:
+                h = t.invoke("Hello", slow, path)
+                async for v in h.stream():
+                    got.append(v)
+                    if v == 2:
+                        os.kill(pid, signal.SIGKILL)
+        return got
+
+    got = asyncio.run(main())
+    assert got[:3] == [0, 1, 2]
+    assert two_stages.dead
