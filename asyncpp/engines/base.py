@@ -80,8 +80,10 @@ class Engine(ABC):
     def close(self) -> None:
         """Release the engine's threads and processes."""
 
-    def submit(self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]) -> None:
+    def submit(
+        self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]
+    ) -> Callable[[], Any] | None:
         """Start a run off the caller's loop without awaiting it (streaming engines): when it has
         ended, ``post(fn, *args)`` (the loop's thread-safe entry point) brings ``settle(ok,
-        outcome or error)`` to the caller's loop."""
+        outcome or error)`` to the caller's loop. May return a function that abandons the run."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
