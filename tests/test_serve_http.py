@@ -346,6 +346,11 @@ async def shipped_block(m, layer, scale=1.0):
     return ((mlp_out + residual)[-1] * scale).float()
 
 
+async def returns_a_set(m):
+    await m.logits
+    return {1, 2}  # pickles back from the worker, but is not wire data
+
+
 ERROR_CASES = [
     # (name, body bytes or payload, content type, headers, status, error type)
     ("malformed JSON", b'{"invokes": [', "application/json", ROOT_TOKEN, 400, "WireError"),
@@ -420,10 +425,13 @@ def test_shipped_code_from_the_trusted_token(server):
         "invokes": [
             {"prompt": PROMPT, "code": _code(shipped_block, 2, scale=2.0)},
             {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 2}},
+            {"prompt": PROMPT, "code": _code(returns_a_set)},
         ]
     }
-    code, registered = ok(post(server, payload, binary=True))["invokes"]
+    code, registered, not_data = ok(post(server, payload, binary=True))["invokes"]
     assert code["error"] is None and registered["error"] is None
+    assert not_data["result"] is None and not_data["error"]["type"] == "WireError"
+    assert "set" in not_data["error"]["message"] and len(not_data["tokens"]) == 1
     torch.testing.assert_close(code["result"], 2.0 * registered["result"], rtol=0, atol=ATOL)
     # the same code from the untrusted token is refused before it is looked at
     refused(post(server, payload, headers=ALICE), 403, "PermissionError")
@@ -464,12 +472,15 @@ def test_disconnect_aborts_the_trace(server):
     start = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         post(server, crawl, timeout=0.8)
-    s = server.wait_stats(lambda s: s["in_flight"] == 0 and s["aborted"] > before["aborted"], timeout=5)
+
+    def clean(s):  # the server forgot the request, and so did every worker (released within a step)
+        idle = all(v == 0 for w in s["workers"] for k, v in w.items() if k not in ("pid", "hot_in"))
+        return s["in_flight"] == 0 and s["aborted"] > before["aborted"] and idle
+
+    s = server.wait_stats(clean, timeout=6)
     took = time.monotonic() - start
-    assert s["aborted"] == before["aborted"] + 1 and s["in_flight"] == 0, s
-    assert took < 4, took  # aborted, not run to the end
-    for w in s["workers"]:  # no per-request state left on the worker
-        assert all(v == 0 for k, v in w.items() if k not in ("pid", "hot_in")), w
+    assert clean(s) and s["aborted"] == before["aborted"] + 1, s
+    assert took < 5, took  # aborted: running to the end takes more than 8 s
     # the engine is free at once: a short request is answered quickly
     t0 = time.monotonic()
     ok(post(server, {"invokes": [{"prompt": "x"}]}))
@@ -706,14 +717,14 @@ def test_tokens_file_and_constant_time_lookup():
 
 def test_zz_shutdown_finishes_in_flight_requests_and_closes_the_engine(server):
     answers = []
-    slow = crawling(100, 0.02)  # about 2 s
+    slow = crawling(50, 0.02)  # about 1-2 s
     thread = threading.Thread(target=lambda: answers.append(post(server, slow)))
     thread.start()
     assert server.wait_stats(lambda s: s["in_flight"] >= 1)["in_flight"] >= 1
     server.proc.send_signal(signal.SIGTERM)
     thread.join(30)
     assert [a.status_code for a in answers] == [200], server.log_tail()
-    assert answers[0].json()["invokes"][0]["result"] == 100
+    assert answers[0].json()["invokes"][0]["result"] == 50
     rc = server.proc.wait(40)
     log = server.log_tail(20000)
     assert rc == 0, log[-3000:]
