@@ -47,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from .engines.vllm import VllmEngine
 
         return VllmEngine
+    if name == "RemoteEngine":  # the client of `asyncpp serve` (imports httpx when it runs)
+        from .serve.client import RemoteEngine
+
+        return RemoteEngine
     raise AttributeError(f"module 'asyncpp' has no attribute {name!r}")
 
 
@@ -83,6 +87,7 @@ __all__ = [
     "TLSBuildError",
     "Trace",
     "VllmEngine",
+    "RemoteEngine",
     "WriteError",
     "backward",
     "emit",

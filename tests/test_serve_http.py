@@ -715,6 +715,90 @@ def test_tokens_file_and_constant_time_lookup():
 # --- last: shutdown (ends the module's server) ---------------------------------------------------
 
 
+# --- the client: asyncpp.serve.RemoteEngine, the same trace API as a local engine ----------------
+
+
+def _remote(server, headers=ROOT_TOKEN, **kw):
+    return asyncpp.RemoteEngine(server.url, headers["Authorization"].split(" ", 1)[1], **kw)
+
+
+@pytest.mark.parametrize("backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+                         ids=["asyncio", "uvloop", "trio"])  # fmt: skip
+def test_remote_engine_traces_equal_the_protocols_answers(server, backend):
+    import anyio
+
+    torch.manual_seed(1)
+    vec = torch.randn(128)
+    raw = ok(post(server, {"invokes": [
+        {"prompt": PROMPT, "block": "steer", "args": {"layer": 1, "vec": vec, "scale": 2.0}},
+        {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 2}},
+    ]}, binary=True))["invokes"]  # fmt: skip
+
+    async def main(remote):
+        async with asyncpp.trace(remote) as t:
+            a = t.invoke(PROMPT, "steer", layer=1, vec=vec, scale=2.0)
+            b = t.invoke(PROMPT, "read_layer", 2)  # positional: matched to the block's parameters
+        return a, b
+
+    for binary in (True, False):
+        remote = _remote(server, binary=binary)
+        a, b = anyio.run(main, remote, backend=backend[0], backend_options=backend[1])
+        torch.testing.assert_close(a.result, raw[0]["result"], rtol=0, atol=0)
+        torch.testing.assert_close(b.result, raw[1]["result"], rtol=0, atol=0)
+        assert a.tokens.tolist() == [raw[0]["tokens"]] and a.output == raw[0]["text"]
+        assert a.name == "steer" and b.name == "read_layer"
+
+
+def test_remote_engine_generate_and_sync_entry(server, tiny):
+    model, tok = tiny
+    remote = _remote(server)
+    with asyncpp.generate(remote, max_new_tokens=5) as t:
+        a = t.invoke(PROMPT, "read_layer", layer=1)
+        b = t.invoke("Hello", "read_layer", layer=1)
+    for text, h in ((PROMPT, a), ("Hello", b)):
+        x = hf_ids(tok, text)
+        with torch.no_grad():
+            ref = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=256)
+        assert h.tokens.tolist() == ref[:, x.shape[1] :].tolist()
+    assert [blk["name"] for blk in remote.blocks()][:3] == ["steer", "read_layer", "logit_lens"]
+
+
+def test_remote_engine_raises_errors_as_a_local_engine_would(server):
+    remote = _remote(server)
+    with pytest.raises(RuntimeError, match="the block says no") as info:
+        with asyncpp.trace(remote) as t:
+            failing = t.invoke(PROMPT, "boom", message="the block says no")
+            fine = t.invoke(PROMPT, "read_layer", layer=0)
+    assert "asyncpp server" in "".join(getattr(info.value, "__notes__", []))
+    assert isinstance(failing.exception, RuntimeError) and fine.result.shape == (128,)
+    with pytest.raises(asyncpp.serve.BlockArgumentError, match="parameter 'layer'"):
+        with asyncpp.trace(remote) as t:
+            t.invoke(PROMPT, "steer", layer="one", vec=torch.zeros(128))
+    with pytest.raises(asyncpp.serve.RemoteError) as info:
+        with asyncpp.trace(asyncpp.RemoteEngine(server.url, "not-a-token")) as t:
+            t.invoke(PROMPT, "read_layer", layer=0)
+    assert info.value.status == 401
+    with pytest.raises(asyncpp.AsyncppError, match="no block 'nope'"):
+        with asyncpp.trace(remote) as t:
+            t.invoke(PROMPT, "nope", 1)
+
+
+def test_remote_engine_ships_code_only_for_a_trusted_token(server):
+    async def own_block(m, layer):
+        h = await m.model.layers[layer].output
+        return (h[0] + h[1])[-1].norm().item()
+
+    with asyncpp.trace(_remote(server)) as t:
+        h = t.invoke(PROMPT, own_block, 1)
+    with asyncpp.trace(_remote(server)) as t:
+        ref = t.invoke(PROMPT, "read_layer", layer=1)
+    assert h.result == pytest.approx(float(ref.result.norm()), rel=1e-5)
+    with pytest.raises(asyncpp.serve.RemoteError) as info:
+        with asyncpp.trace(_remote(server, ALICE)) as t:
+            t.invoke(PROMPT, own_block, 1)
+    assert info.value.status == 403
+
+
 def test_zz_shutdown_finishes_in_flight_requests_and_closes_the_engine(server):
     answers = []
     slow = crawling(50, 0.02)  # about 1-2 s

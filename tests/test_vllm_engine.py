@@ -427,10 +427,12 @@ async def block(m):
     return int((await m.logits).argmax(-1))
 
 if __name__ == "__main__":
-    with asyncpp.VllmEngine() as engine:  # the defaults: bfloat16 weights, vLLM warns per weight
+    with asyncpp.VllmEngine() as engine:  # the defaults (vLLM alone warns per weight)
         with asyncpp.trace(engine) as t:
             h = t.invoke("Hello", block)
-    print("result", h.result)
+        with asyncpp.generate(engine, max_new_tokens=6) as t:
+            g = t.invoke("Hello", block)
+    print("result", h.result, *g.tokens[0].tolist())
 """
 
 
@@ -448,7 +450,17 @@ def test_the_default_engine_prints_one_progress_line(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "WARNING" not in done.stdout + done.stderr
-    assert done.stdout.splitlines() == [f"result {done.stdout.split()[-1]}"], done.stdout
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("result "), done.stdout
+    # the embedded model runs at its own float32 by default: the same tokens as the local model
+    first, *generated = map(int, lines[0].split()[1:])
+    from asyncpp.models import load_tiny
+
+    model, tok = load_tiny()
+    x = torch.tensor([tok("Hello", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        ref = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=256)[0, x.shape[1] :]
+    assert [first] == ref[:1].tolist() and generated == ref.tolist()
     progress = (
         r"asyncpp: starting vLLM engine on the embedded tiny Llama \(TP=1, PP=1\)\.\.\. ready in \d+\.\d s"
     )

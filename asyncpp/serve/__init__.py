@@ -11,6 +11,7 @@ body with tensors is encoded or decoded.
 
 from __future__ import annotations
 
+from .client import RemoteBlockError, RemoteEngine, RemoteError
 from .registry import (
     BlockArgumentError,
     BlockSpec,
@@ -46,6 +47,9 @@ __all__ = [
     "ParamSpec",
     "Range",
     "Registry",
+    "RemoteBlockError",
+    "RemoteEngine",
+    "RemoteError",
     "Tensor",
     "UnknownBlockError",
     "WireError",

@@ -250,10 +250,6 @@ def serve(argv: Sequence[str]) -> int:
 
     import asyncpp
 
-    if args.model is None and "dtype" not in engine_options:
-        # the embedded tiny model is a float32 checkpoint (vLLM's "auto" would make it bfloat16): keep
-        # its values those of asyncpp.models.load_tiny()
-        engine_options["dtype"] = "float32"
     try:
         engine = asyncpp.VllmEngine(args.model, **engine_options)
     except TypeError as e:

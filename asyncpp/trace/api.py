@@ -105,6 +105,12 @@ class Trace:
         """
         if self._ran:
             raise AsyncppError("this trace has already run; start a new one")
+        if isinstance(block, str) and getattr(self.engine, "named_blocks", False):
+            # a block the server's operator registered, named: its arguments are data
+            handle = Invoke(len(self._handles), block, self)
+            self._handles.append(handle)
+            self._spec.invokes.append(InvokeSpec(input, block, args, kwargs, block))
+            return handle
         if _is_async(input):  # t.invoke(block, *args): no input, the block sees the whole batch
             if block is not None:
                 args = (block, *args)
@@ -114,7 +120,8 @@ class Trace:
             raise TypeError(
                 f"invoke() needs an `async def` block taking the model as its first argument; got {what}"
             )
-        check_block_paths(block, self.engine.tree)
+        if self.engine.tree is not None:  # (a remote engine's blocks resolve on its server)
+            check_block_paths(block, self.engine.tree)
         name = getattr(block, "__qualname__", None)
         if name is None:  # a functools.partial (of a function or a bound method): name what it wraps
             name = f"partial({getattr(getattr(block, 'func', None), '__qualname__', 'block')})"

@@ -68,6 +68,9 @@ class VllmEngine(Engine):
             from ...models import tiny_model_dir
 
             model = tiny_model_dir()
+            # a float32 checkpoint: vLLM's "auto" would run it in bfloat16, whose CPU kernels need
+            # instructions not every machine has (a worker died of SIGILL on one here)
+            vllm_options.setdefault("dtype", "float32")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
