@@ -223,3 +223,9 @@ def test_trace_on_a_temporary_module():
     with asyncpp.trace(torch.nn.Linear(4, 4)) as t:
         h = t.invoke(torch.randn(1, 4), block)
     assert h.result.shape == (1, 4)
+
+
+def test_a_block_name_on_a_local_engine_says_where_names_work(mlp):
+    with pytest.raises(TypeError, match="blocks are named only on an asyncpp server"):
+        with asyncpp.trace(mlp) as t:
+            t.invoke(torch.zeros(1, 8), "steer")

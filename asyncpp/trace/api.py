@@ -115,6 +115,11 @@ class Trace:
             if block is not None:
                 args = (block, *args)
             input, block = None, input
+        if isinstance(block, str):
+            raise TypeError(
+                f"invoke() got the block name {block!r}: blocks are named only on an asyncpp server "
+                f"(asyncpp.RemoteEngine); here, pass the `async def` block itself"
+            )
         if block is None or not _is_async(block):
             what = getattr(block, "__name__", repr(block))
             raise TypeError(
