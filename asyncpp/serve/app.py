@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ..kernel.errors import AsyncppError, EngineDeadError
 from . import wire
 from .auth import Token, Tokens
+from .openai_routes import add_openai_routes
 from .registry import BlockArgumentError, Registry, UnknownBlockError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -544,6 +545,7 @@ def create_app(
     app.add_route("/v1/blocks", blocks, methods=["GET"])
     app.add_route("/v1/stats", stats, methods=["GET"])
     app.add_route("/v1/trace", trace, methods=["POST"])
+    add_openai_routes(app, engine, registry, tokens, limits, name, in_flight=in_flight, counts=counts)
     return app
 
 
