@@ -120,3 +120,22 @@ def _load_unembedding(folder: Path):
         with safe_open(str(file), "pt") as f:
             out[name] = f.get_tensor(name).float()
     return out["model.norm.weight"], out[want_head], float(config.get("rms_norm_eps", 1e-6))
+
+
+@blocks.block
+async def lens_stream(m, k: Annotated[int, Range(1, 20)] = 1):
+    """A logit lens streamed at every generation step: emits {"step", "lens": the top-k token ids per layer at the last position, "logits": the model's own top-k} as each step is made; returns the number of steps."""
+    import asyncpp
+
+    norm_w, unembed, eps = _lens_weights()
+    n = 0
+    async for _step in m.steps():
+        tops = []
+        for layer in m.model.layers:
+            h = residual_stream(await layer.output)[-1].float()
+            normed = h * torch.rsqrt(h.pow(2).mean() + eps) * norm_w
+            tops.append((unembed @ normed).topk(k).indices.tolist())
+        logits = await m.logits
+        asyncpp.emit({"step": n, "lens": tops, "logits": logits[-1].float().topk(k).indices.tolist()})
+        n += 1
+    return n

@@ -48,7 +48,7 @@ log = logging.getLogger("asyncpp.serve")
 
 _ANONYMOUS = Token(token="", name="anonymous", trusted=False)
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "stop_token_ids")
-_REQUEST_KEYS = {"generate", "max_new_tokens", "sampling", "invokes"}
+_REQUEST_KEYS = {"generate", "max_new_tokens", "sampling", "invokes", "stream"}
 _INVOKE_KEYS = {"prompt", "block", "args", "code"}
 _OFFLOAD_BYTES = 256 * 2**10  # bodies larger than this are decoded and encoded off the event loop
 
@@ -105,6 +105,7 @@ class _Request:
     max_new_tokens: int | None
     sampling: dict[str, Any]
     invokes: list[dict[str, Any]]
+    stream: bool = False
 
 
 def _kind(value: Any) -> str:
@@ -184,6 +185,9 @@ def _check_request(payload: Any, token: Token, limits: ServeLimits) -> _Request:
     generate = payload.get("generate", False)
     if type(generate) is not bool:
         raise _bad(f"'generate' must be true or false, got {_kind(generate)}")
+    stream = payload.get("stream", False)
+    if type(stream) is not bool:
+        raise _bad(f"'stream' must be true or false, got {_kind(stream)}")
     cap = token.max_new_tokens or limits.max_new_tokens
     n = payload.get("max_new_tokens")
     if generate:
@@ -230,7 +234,7 @@ def _check_request(payload: Any, token: Token, limits: ServeLimits) -> _Request:
             if block is not None or args:
                 raise _bad(f"{at}: an invoke ships either 'code' or a 'block' with 'args', not both")
         checked.append({"prompt": prompt, "block": block, "args": args, "code": inv.get("code")})
-    return _Request(generate, n if generate else None, sampling, checked)
+    return _Request(generate, n if generate else None, sampling, checked, stream)
 
 
 def _error(kind: str, message: str) -> dict[str, str]:
@@ -399,11 +403,13 @@ def create_app(
                 ) from None
             invokes[i].block, invokes[i].args, invokes[i].kwargs = block, tuple(args), dict(kwargs)
 
-    async def run(req: _Request, invokes: list[_Invoke]) -> list[Any]:
+    def open_trace(req: _Request) -> Any:
         if req.generate:
-            ctx = asyncpp.generate(engine, max_new_tokens=req.max_new_tokens, **req.sampling)
-        else:
-            ctx = asyncpp.trace(engine, **req.sampling)
+            return asyncpp.generate(engine, max_new_tokens=req.max_new_tokens, **req.sampling)
+        return asyncpp.trace(engine, **req.sampling)
+
+    async def run(req: _Request, invokes: list[_Invoke]) -> list[Any]:
+        ctx = open_trace(req)
         handles: list[Any] = []
         try:
             async with ctx as t:
@@ -448,6 +454,118 @@ def create_app(
                     item["error"] = _error("WireError", f"the block's result cannot be sent: {e}")
             return encode({"model": name, "invokes": items})
 
+    def failure(e: BaseException) -> tuple[int, str, str]:
+        """The status, error type and message that a trace's failure answers (as without a stream)."""
+        if isinstance(e, _Refusal):
+            return e.status, e.kind, e.message
+        if isinstance(e, EngineDeadError):
+            return 503, "EngineDeadError", str(e)
+        if isinstance(e, asyncpp.InputError) or type(e).__name__ == "VLLMValidationError":
+            return 400, type(e).__name__, str(e)
+        if isinstance(e, AsyncppError) and dead():
+            return 503, "EngineDeadError", str(e)
+        log.error("asyncpp serve: a streamed request failed on the server", exc_info=e)
+        return 500, "InternalError", "the server failed to run this request (see its log)"
+
+    def emit_data(index: int, value: Any) -> bytes:
+        try:
+            return wire.encode_json({"invoke": index, "value": value})
+        except wire.WireError as e:  # this value cannot travel: the stream says so, and goes on
+            err = _error("WireError", f"the emitted value cannot be sent: {e}")
+            return wire.encode_json({"invoke": index, "value": None, "error": err})
+
+    class EventStream:
+        """The answer of a streamed trace (``"stream": true``): server-sent events, written as the
+        trace runs. Calls ``release`` once it has ended (the token's request slot)."""
+
+        def __init__(self, req: _Request, invokes: list[_Invoke]):
+            self.req, self.invokes = req, invokes
+            self.release: Callable[[], None] = lambda: None
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await stream_trace(self.req, self.invokes, scope, receive, send)
+            finally:
+                self.release()
+
+    async def stream_trace(
+        req: _Request, invokes: list[_Invoke], scope: Any, receive: Any, send: Any
+    ) -> None:
+        """Run one trace, sending an ``emit`` event per value a block emits, as it is made, then
+        ``done`` (the answer /v1/trace gives without a stream) or ``error``. What fails before the
+        stream has begun answers as it would without one (4xx/5xx JSON)."""
+        started = False
+        disconnected = False
+        result: tuple[str, Any] = ("cancelled", None)
+
+        async def event(kind: bytes, data: bytes) -> None:
+            nonlocal disconnected
+            chunk = b"event: " + kind + b"\ndata: " + data + b"\n\n"  # (JSON has no raw newlines)
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except OSError:  # the client has gone
+                disconnected = True
+                raise
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal disconnected
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        disconnected = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            handles: list[Any] = []
+            try:
+                async with open_trace(req) as t:
+                    for i, inv in enumerate(invokes):
+                        try:
+                            handles.append(t.invoke(inv.prompt, inv.block, *inv.args, **inv.kwargs))
+                        except Exception as e:  # the block does not fit the model (paths, signature)
+                            raise _Refusal(422, type(e).__name__, f"invokes[{i}]: {e}") from None
+                    t._start_live()  # the run starts; t.stream() below follows it
+                    await send({
+                        "type": "http.response.start", "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                        ],
+                    })  # fmt: skip
+                    started = True
+                    async for h, v in t.stream():
+                        await event(b"emit", emit_data(h.index, v))
+                result = ("ok", handles)
+            except Exception as e:
+                if disconnected:
+                    result = ("cancelled", None)
+                elif started and not isinstance(e, _Refusal) and handles and all(h.done for h in handles):
+                    result = ("ok", handles)  # the first block error, re-raised at exit
+                else:
+                    result = ("error", e)
+            tg.cancel_scope.cancel()
+        status, value = result
+        if disconnected and status == "cancelled":
+            counts["aborted"] += 1
+            log.info("asyncpp serve: the client of a streamed trace disconnected; its requests were aborted")
+            return
+        if status == "ok":
+            await event(b"done", await offload(answer, req, value, wire.encode_json, big=True))
+        else:
+            if status == "error":
+                code, kind, message = failure(value)
+            else:  # cancelled without a disconnect: the server is shutting down
+                code, kind = 503, "Cancelled"
+                message = "the server cancelled this request (it is shutting down)"
+            if not started:
+                await refuse(code, kind, message)(scope, receive, send)
+                return
+            await event(b"error", wire.encode_json({"type": kind, "message": message, "status": code}))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def trace(request: Request) -> Response:
         try:
             token = authenticate(request)
@@ -462,8 +580,17 @@ def create_app(
             )  # fmt: skip
         in_flight[token.name] = in_flight.get(token.name, 0) + 1
         counts["requests"] += 1
+        held = True  # the token's slot, released here, or by a streamed answer once it has ended
         try:
-            return await handle(request, token)
+            response = await handle(request, token)
+            if isinstance(response, EventStream):
+                held = False
+
+                def release(name: str = token.name) -> None:
+                    in_flight[name] -= 1
+
+                response.release = release
+            return response
         except _Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         except EngineDeadError as e:
@@ -472,7 +599,8 @@ def create_app(
             log.exception("asyncpp serve: a request failed on the server")
             return refuse(500, "InternalError", "the server failed to run this request (see its log)")
         finally:
-            in_flight[token.name] -= 1
+            if held:
+                in_flight[token.name] -= 1
 
     async def handle(request: Request, token: Token) -> Response:
         content_type = request.headers.get("content-type")
@@ -501,6 +629,8 @@ def create_app(
         if dead():
             raise EngineDeadError("the server's engine is dead; it cannot run traces any more")
         unpack_code(req, invokes)
+        if req.stream:
+            return EventStream(req, invokes)  # type: ignore[return-value]
 
         result: tuple[str, Any] = ("cancelled", None)
         disconnected = False

@@ -6,12 +6,21 @@ whose body and answer are in the data-only wire format (tensors as safetensors, 
 Nothing the server sends is unpickled: a block's error comes back as its type name and message,
 and is raised as that asyncpp or builtin exception class when it is one of those, else as
 :class:`RemoteBlockError`.
+
+Streams (``async for v in h.stream()``) are one ``POST /v1/trace`` with ``"stream": true``, whose
+answer is server-sent events (one per value a block emits, then the trace's answer); a small thread
+with its own event loop reads them, so they reach callers on asyncio, uvloop and trio alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +82,7 @@ class RemoteEngine(Engine):
 
     named_blocks = True  # t.invoke(prompt, "block name", **args)
     tree = None  # blocks run on the server; the client holds no location tree
+    supports_streaming = True  # blocks' asyncpp.emit() values arrive live, as server-sent events
 
     def __init__(self, url: str, token: str | None = None, *, timeout: float = 300.0, binary: bool = True):
         self.url = url.rstrip("/")
@@ -90,7 +100,7 @@ class RemoteEngine(Engine):
             h["Authorization"] = f"Bearer {self.token}"
         return h
 
-    def _body(self, spec: RunSpec, params: dict[str, list[str]]) -> bytes:
+    def _body(self, spec: RunSpec, params: dict[str, list[str]], *, stream: bool = False) -> bytes:
         sampling = dict(spec.model_kwargs)
         unknown = sorted(set(sampling) - set(_SAMPLING))
         if unknown:
@@ -112,6 +122,8 @@ class RemoteEngine(Engine):
         request: dict[str, Any] = {"generate": spec.generate, "sampling": sampling, "invokes": invokes}
         if spec.generate:
             request["max_new_tokens"] = spec.max_new_tokens
+        if stream:
+            request["stream"] = True
         return wire.encode(request) if self.binary else wire.encode_json(request)
 
     def _outcome(self, spec: RunSpec, status: int, content_type: str, body: bytes) -> RunOutcome:
@@ -122,6 +134,13 @@ class RemoteEngine(Engine):
         if status != 200:
             info = answer.get("error", {}) if isinstance(answer, dict) else {}
             raise _status_error(status, str(info.get("type", "Error")), str(info.get("message", answer)))
+        return self._from_answer(spec, status, answer)
+
+    def _from_answer(self, spec: RunSpec, status: int, answer: Any) -> RunOutcome:
+        if type(answer) is not dict or type(answer.get("invokes")) is not list:
+            raise RemoteError(status, "WireError", "the server's answer has no 'invokes' list")
+        if len(answer["invokes"]) != len(spec.invokes):
+            raise RemoteError(status, "WireError", "the server's answer has another number of invokes")
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         for o, got in zip(outcome.invokes, answer["invokes"]):
             o.result = got.get("result")
@@ -151,6 +170,102 @@ class RemoteEngine(Engine):
             body = self._body(spec, params)
             r = await client.post(f"{self.url}/v1/trace", content=body, headers=self._headers())
             return self._outcome(spec, r.status_code, r.headers.get("content-type", ""), r.content)
+
+    def submit(
+        self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]
+    ) -> Callable[[], Any]:
+        """Stream one trace (``"stream": true``): a thread of its own runs the request on its own
+        event loop, calls ``spec.sink(invoke, value)`` for every ``emit`` event as it arrives, and
+        at the end ``post(settle, ok, outcome or error)``. Returns a function that abandons the run
+        (it closes the connection: the server then aborts the trace)."""
+        loop = asyncio.new_event_loop()
+        task: list[asyncio.Task] = []
+        abandoned = threading.Event()
+
+        def work() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                task.append(loop.create_task(self._stream(spec)))
+                if abandoned.is_set():
+                    task[0].cancel()
+                try:
+                    ok, value = True, loop.run_until_complete(task[0])
+                except BaseException as e:  # (CancelledError too: the caller gave the run up)
+                    ok, value = False, e
+            finally:
+                try:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                finally:
+                    loop.close()
+            try:
+                post(settle, ok, value)
+            except RuntimeError:  # the caller's loop has closed: nobody is listening
+                pass
+
+        def abandon() -> None:
+            abandoned.set()
+            try:
+                loop.call_soon_threadsafe(lambda: task[0].cancel() if task else None)
+            except RuntimeError:  # the run has ended (its loop is closed)
+                pass
+
+        threading.Thread(target=work, name="asyncpp-remote-stream", daemon=True).start()
+        return abandon
+
+    async def _stream(self, spec: RunSpec) -> RunOutcome:
+        import httpx
+
+        sink = spec.sink
+        emitted: list[list[Any]] = [[] for _ in spec.invokes]
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+            params = await self._parameters_async(client, spec)
+            body = self._body(spec, params, stream=True)
+            headers = {**self._headers(), "Accept": "text/event-stream"}
+            async with client.stream("POST", f"{self.url}/v1/trace", content=body, headers=headers) as r:
+                content_type = r.headers.get("content-type", "")
+                if r.status_code != 200 or not content_type.startswith("text/event-stream"):
+                    raw = await r.aread()
+                    outcome = self._outcome(spec, r.status_code, content_type, raw)
+                    if r.status_code == 200:
+                        raise RemoteError(200, "WireError", "the server did not stream this trace")
+                    return outcome  # (not reached: a refusal raises)
+                events = _events(r.aiter_lines())
+                async with contextlib.aclosing(events):
+                    async for kind, data in events:
+                        if kind == "emit":
+                            item = _decode(data)
+                            i = item.get("invoke") if type(item) is dict else None
+                            if type(i) is not int or not 0 <= i < len(spec.invokes):
+                                raise RemoteError(
+                                    200, "WireError", "an emit event names no invoke of this trace"
+                                )
+                            if item.get("error") is not None:
+                                warnings.warn(
+                                    f"asyncpp: a value emitted by invoke #{i} was lost on the server: "
+                                    f"{item['error'].get('message')}",
+                                    RuntimeWarning,
+                                    stacklevel=1,
+                                )
+                                continue
+                            emitted[i].append(item.get("value"))
+                            if sink is not None:
+                                sink(i, item.get("value"))
+                        elif kind == "done":
+                            outcome = self._from_answer(spec, 200, _decode(data))
+                            for o, values in zip(outcome.invokes, emitted):
+                                o.emitted = values
+                            return outcome
+                        elif kind == "error":
+                            info = _decode(data)
+                            info = info if type(info) is dict else {}
+                            code = info.get("status")
+                            raise _status_error(
+                                code if type(code) is int else 500,
+                                str(info.get("type", "Error")),
+                                str(info.get("message", "")),
+                            )
+                        # other events (tokens, from a newer server) are not for this client
+        raise RemoteError(200, "WireError", "the server's event stream ended before the trace's answer")
 
     def close(self) -> None:
         """Nothing to release: each trace opens and closes its own connection."""
@@ -222,6 +337,44 @@ def _arguments(name: str, args: tuple, kwargs: dict, params: dict[str, list[str]
                 raise TypeError(f"block {name!r} got two values for {n!r}")
             out[n] = v
     return out
+
+
+_MAX_EVENT_BYTES = wire.DEFAULT_LIMITS.max_bytes
+
+
+def _decode(data: str) -> Any:
+    try:
+        return wire.decode_json(data)
+    except wire.WireError as err:
+        raise RemoteError(200, "WireError", f"an event from the server could not be read: {err}") from None
+
+
+async def _events(lines: Any) -> Any:
+    """``(event, data)`` for every event of a ``text/event-stream`` (comments and ``id``/``retry``
+    fields skipped; an event without ``data`` dispatches nothing, as the standard says)."""
+    kind, data, size = "message", [], 0
+    async for line in lines:
+        line = line.rstrip("\r\n")
+        if not line:
+            if data:
+                yield kind, "\n".join(data)
+            kind, data, size = "message", [], 0
+            continue
+        if line.startswith(":"):
+            continue
+        field_name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field_name == "event":
+            kind = value
+        elif field_name == "data":
+            size += len(value) + 1
+            if size > _MAX_EVENT_BYTES:
+                raise RemoteError(200, "WireLimitError", "an event from the server is too large")
+            data.append(value)
+        elif field_name not in ("id", "retry"):
+            raise RemoteError(
+                200, "WireError", f"the server's event stream has an unknown field {field_name!r}"
+            )
 
 
 def _status_error(status: int, type_name: str, message: str) -> BaseException:

@@ -1,0 +1,337 @@
+"""Streaming over HTTP: `POST /v1/trace` with `"stream": true` answers server-sent events (one per
+value a block emits, as it is made, then the trace's answer), and `RemoteEngine` streams with the
+trace API (`async for v in h.stream()`) on asyncio, uvloop and trio.
+
+One server subprocess (vLLM, the tiny model, float32) for the module, with `examples/serve_blocks.py`
+and a few test-only blocks; its fixture is a copy of the one in tests/test_serve_http.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import asyncpp
+from asyncpp.serve import wire
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+pytestmark = pytest.mark.timeout(90)  # the first test also waits for the server (20-40 s)
+
+ROOT = Path(__file__).resolve().parent.parent
+ALICE = {"Authorization": "Bearer alice-token-0123"}
+ROOT_TOKEN = {"Authorization": "Bearer root-token-4567"}
+PROMPT = "The cat sat on the"
+
+TEST_BLOCKS = '''
+import time
+from typing import Annotated
+
+import asyncpp
+from asyncpp.serve import Range, block
+
+
+@block
+async def ticker(m, per_step: Annotated[float, Range(0, 1)] = 0.0):
+    """Emit the step's index at every generation step (sleeping per_step on the model thread)."""
+    n = 0
+    async for _ in m.steps():
+        await m.logits
+        time.sleep(per_step)
+        asyncpp.emit(n)
+        n += 1
+    return n
+
+
+@block
+async def emit_then_fail(m, message: str):
+    """Emit 1 and 2, then raise RuntimeError(message)."""
+    asyncpp.emit(1)
+    await m.model.layers[0].output
+    asyncpp.emit(2)
+    raise RuntimeError(message)
+'''
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stats(self) -> dict:
+        r = httpx.get(self.url + "/v1/stats", headers=ROOT_TOKEN, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_stats(self, pred, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if pred(s) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve-stream")
+    tokens = d / "tokens.json"
+    tokens.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {
+                        "token": "alice-token-0123",
+                        "name": "alice",
+                        "max_concurrent": 2,
+                        "max_new_tokens": 32,
+                        "max_invokes": 4,
+                    },
+                    {"token": "root-token-4567", "name": "root", "trusted": True, "max_concurrent": 64},
+                ]
+            }
+        )
+    )
+    blocks = d / "stream_blocks.py"
+    blocks.write_text(TEST_BLOCKS)
+    log = d / "server.log"
+    cmd = [
+        sys.executable, "-m", "asyncpp.serve", "--port", "0", "--dtype", "float32",
+        "--blocks", str(ROOT / "examples" / "serve_blocks.py"), "--blocks", str(blocks),
+        "--tokens", str(tokens), "--allow-code", "--max-body-bytes", str(2**20),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCPP_TOKENS"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = None
+    deadline = time.monotonic() + 90
+    try:
+        while url is None:
+            text = log.read_text(errors="replace")
+            for line in text.splitlines():
+                if line.startswith("asyncpp: serving ") and " on http://" in line:
+                    url = line.split(" on ", 1)[1].strip()
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited ({proc.returncode}) before it was ready:\n{text[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not ready within 90 s:\n{text[-3000:]}")
+            time.sleep(0.2)
+        assert url.startswith("http://127.0.0.1:")
+        yield Server(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def post(server, payload, *, headers=ROOT_TOKEN, timeout=30):
+    return httpx.post(
+        server.url + "/v1/trace",
+        content=wire.encode_json(payload),
+        headers={**headers, "Content-Type": "application/json"},
+        timeout=timeout,
+    )
+
+
+def events(lines):
+    """(event, data decoded from wire JSON) per server-sent event; strict about the format the
+    server writes: `event: <name>`, one `data: <json>` line, a blank line."""
+    kind = data = None
+    for line in lines:
+        if line == "":
+            assert kind is not None and data is not None, "an event without its event or data line"
+            yield kind, wire.decode_json(data)
+            kind = data = None
+        elif line.startswith("event: "):
+            assert kind is None
+            kind = line[len("event: ") :]
+        elif line.startswith("data: "):
+            assert data is None
+            data = line[len("data: ") :]
+        else:
+            raise AssertionError(f"an unexpected line in the event stream: {line!r}")
+    assert kind is None and data is None, "the stream ended inside an event"
+
+
+def stream(server, payload, *, headers=ROOT_TOKEN, timeout=30):
+    """Every event of a streamed trace, read to its end."""
+    with httpx.stream(
+        "POST", server.url + "/v1/trace", content=wire.encode_json({**payload, "stream": True}),
+        headers={**headers, "Content-Type": "application/json"}, timeout=timeout,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()[:500]
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return list(events(r.iter_lines()))
+
+
+def generate(n, *invokes, ignore_eos=True):
+    return {
+        "generate": True,
+        "max_new_tokens": n,
+        "sampling": {"ignore_eos": ignore_eos},
+        "invokes": [{"prompt": p, "block": b, "args": a} for p, b, a in invokes],
+    }
+
+
+def clean(before):
+    def check(s):  # the server forgot the request, and so did every worker (released within a step)
+        idle = all(v == 0 for w in s["workers"] for k, v in w.items() if k not in ("pid", "hot_in"))
+        return s["in_flight"] == 0 and s["aborted"] > before["aborted"] and idle
+
+    return check
+
+
+# --- the protocol --------------------------------------------------------------------------------
+
+
+def test_values_arrive_while_the_trace_runs_and_a_disconnect_aborts_it(server):
+    before = server.stats()
+    payload = generate(400, ("x", "ticker", {"per_step": 0.02}))  # about 8 s unless aborted
+    start = time.monotonic()
+    with httpx.stream(
+        "POST", server.url + "/v1/trace", content=wire.encode_json({**payload, "stream": True}),
+        headers={**ROOT_TOKEN, "Content-Type": "application/json"}, timeout=30,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        it = events(r.iter_lines())  # (held: closing the generator would close the response)
+        first = next(it)
+        assert first == ("emit", {"invoke": 0, "value": 0})
+        # causal, not timed: the first value is here, and the server still runs the request
+        s = server.stats()
+        assert s["in_flight"] == 1 and any(
+            v for w in s["workers"] for k, v in w.items() if k not in ("pid", "hot_in")
+        ), s
+    # leaving the `with` closed the connection mid-stream: the server aborts the trace's requests
+    s = server.wait_stats(clean(before), timeout=6)
+    assert clean(before)(s) and s["aborted"] == before["aborted"] + 1, s
+    assert time.monotonic() - start < 5  # aborted: running to the end takes more than 8 s
+    assert post(server, {"invokes": [{"prompt": "x"}]}).status_code == 200
+
+
+def test_done_equals_the_answer_without_a_stream_and_invokes_interleave(server):
+    payload = generate(
+        8, (PROMPT, "lens_stream", {"k": 2}), ("Hello", "ticker", {"per_step": 0.01}), ("A", None, {})
+    )
+    got = stream(server, payload)
+    plain = post(server, payload)
+    assert plain.status_code == 200
+    assert got[-1] == ("done", wire.decode_json(plain.content))
+    assert [k for k, _ in got[:-1]] == ["emit"] * 16
+    order = [d["invoke"] for _, d in got[:-1]]
+    lens = [d["value"] for _, d in got[:-1] if d["invoke"] == 0]
+    ticks = [d["value"] for _, d in got[:-1] if d["invoke"] == 1]
+    assert ticks == list(range(8)) and [v["step"] for v in lens] == list(range(8))
+    assert all(len(v["lens"]) == 4 and all(len(t) == 2 for t in v["lens"]) for v in lens)
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0), order  # interleaved, as made
+    done = got[-1][1]["invokes"]
+    assert [d["result"] for d in done] == [8, 8, None]
+    # the lens' own top-1 at each step is the token the model sampled next
+    assert [v["logits"][0] for v in lens] == done[0]["tokens"]
+
+
+def test_a_failing_block_and_refusals(server):
+    payload = {"invokes": [
+        {"prompt": PROMPT, "block": "emit_then_fail", "args": {"message": "no more"}},
+        {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 1}},
+    ]}  # fmt: skip
+    got = stream(server, payload)
+    assert got[:2] == [("emit", {"invoke": 0, "value": 1}), ("emit", {"invoke": 0, "value": 2})]
+    kind, done = got[2]
+    assert kind == "done" and len(got) == 3
+    assert done["invokes"][0]["error"] == {"type": "RuntimeError", "message": "no more"}
+    assert done["invokes"][1]["error"] is None and done["invokes"][1]["result"].shape == (128,)
+    # what fails before the stream begins answers JSON, as without a stream
+    for body, headers, status in (
+        ({"stream": True, "invokes": [{"prompt": "x", "block": "nope"}]}, ROOT_TOKEN, 422),
+        ({"stream": "yes", "invokes": [{"prompt": "x"}]}, ROOT_TOKEN, 400),
+        ({"stream": True, "invokes": [{"prompt": "x"}]}, {"Authorization": "Bearer wrong"}, 401),
+        ({"stream": True, "invokes": [{"prompt": "x", "code": "AAAA"}]}, ALICE, 403),
+    ):
+        r = post(server, body, headers=headers)
+        assert r.status_code == status and r.headers["content-type"].startswith("application/json"), r.text
+        assert set(r.json()["error"]) == {"type", "message"}
+    assert server.wait_stats(lambda s: s["in_flight"] == 0)["in_flight"] == 0
+
+
+# --- the client: RemoteEngine streams with the trace API ------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+                         ids=["asyncio", "uvloop", "trio"])  # fmt: skip
+def test_remote_engine_streams_live(server, backend):
+    import anyio
+
+    remote = asyncpp.RemoteEngine(server.url, "root-token-4567", binary=backend[0] == "trio")
+
+    async def main():
+        seen, live = [], None
+        async with asyncpp.generate(remote, max_new_tokens=30, ignore_eos=True) as t:
+            a = t.invoke(PROMPT, "ticker", per_step=0.02)
+            b = t.invoke("Hello", "lens_stream", k=1)
+            async for h, v in t.stream():
+                if live is None:  # the first value: the server still runs the trace
+                    live = server.stats()["in_flight"]
+                seen.append((h.index, v))
+        async with asyncpp.generate(remote, max_new_tokens=3) as t2:
+            c = t2.invoke("Hi", "lens_stream", k=1)
+            values = [v async for v in c.stream()]
+        return a, b, c, seen, live, values
+
+    a, b, c, seen, live, values = anyio.run(main, backend=backend[0], backend_options=backend[1])
+    assert live == 1
+    assert [v for i, v in seen if i == 0] == a.emitted == list(range(30)) and a.result == 30
+    assert [v for i, v in seen if i == 1] == b.emitted and len(b.emitted) == 30 and b.result == 30
+    assert [v["logits"][0] for v in b.emitted] == b.tokens[0].tolist()
+    assert values == c.emitted and [v["step"] for v in values] == [0, 1, 2] and c.result == 3
+
+
+def test_remote_engine_stream_errors_and_abandon(server):
+    import anyio
+
+    remote = asyncpp.RemoteEngine(server.url, "root-token-4567")
+
+    async def failing():
+        got = []
+        with pytest.raises(RuntimeError, match="stop here"):
+            async with asyncpp.trace(remote) as t:
+                h = t.invoke(PROMPT, "emit_then_fail", message="stop here")
+                got = [v async for v in h.stream()]
+        assert got == [1, 2] == h.emitted and isinstance(h.exception, RuntimeError)
+        with pytest.raises(asyncpp.serve.BlockArgumentError):  # refused before the stream: as without
+            async with asyncpp.trace(remote) as t:
+                h = t.invoke(PROMPT, "ticker", per_step=5.0)
+                [v async for v in h.stream()]
+
+    anyio.run(failing)
+    before = server.stats()
+
+    async def leave_early():
+        with pytest.raises(KeyError):
+            async with asyncpp.generate(remote, max_new_tokens=400, ignore_eos=True) as t:
+                h = t.invoke("x", "ticker", per_step=0.02)  # about 8 s unless aborted
+                async for v in h.stream():
+                    assert v == 0
+                    raise KeyError("the caller gives up")
+
+    start = time.monotonic()
+    anyio.run(leave_early)
+    s = server.wait_stats(clean(before), timeout=6)
+    assert clean(before)(s) and s["aborted"] == before["aborted"] + 1, s
+    assert time.monotonic() - start < 5
