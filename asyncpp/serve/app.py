@@ -37,7 +37,8 @@ from ..kernel.errors import AsyncppError, EngineDeadError
 from . import wire
 from .auth import Token, Tokens
 from .openai_routes import add_openai_routes
-from .registry import BlockArgumentError, Registry, UnknownBlockError
+from .registry import BlockArgumentError, Registry, UnknownBlockError, json_kind
+from .requests import Refusal, authenticate, read_body
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI, Request
@@ -46,7 +47,6 @@ __all__ = ["ServeLimits", "create_app"]
 
 log = logging.getLogger("asyncpp.serve")
 
-_ANONYMOUS = Token(token="", name="anonymous", trusted=False)
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "stop_token_ids")
 _REQUEST_KEYS = {"generate", "max_new_tokens", "sampling", "invokes", "stream"}
 _INVOKE_KEYS = {"prompt", "block", "args", "code"}
@@ -75,17 +75,6 @@ class ServeLimits:
         object.__setattr__(self, "wire", dataclasses.replace(self.wire, max_bytes=self.max_body_bytes))
 
 
-class _Refusal(Exception):
-    """An answer other than 200: its status, error type and message."""
-
-    def __init__(self, status: int, kind: str, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.message = message
-        self.headers = headers
-
-
 async def no_block(m: Any) -> None:
     """The block of an invoke that names none: the request just runs (and generates)."""
     return None
@@ -108,21 +97,8 @@ class _Request:
     stream: bool = False
 
 
-def _kind(value: Any) -> str:
-    return {
-        bool: "bool",
-        int: "int",
-        float: "float",
-        str: "str",
-        list: "list",
-        tuple: "list",
-        dict: "object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-
-
-def _bad(message: str) -> _Refusal:
-    return _Refusal(400, "RequestError", message)
+def _bad(message: str) -> Refusal:
+    return Refusal(400, "RequestError", message)
 
 
 def _is_int(v: Any) -> bool:
@@ -133,7 +109,7 @@ def _check_sampling(sampling: Any, max_tokens: int, limits: ServeLimits) -> dict
     if sampling is None:
         return {}
     if type(sampling) is not dict:
-        raise _bad(f"'sampling' must be an object, got {_kind(sampling)}")
+        raise _bad(f"'sampling' must be an object, got {json_kind(sampling)}")
     unknown = sorted(set(sampling) - set(_SAMPLING_KEYS))
     if unknown:
         raise _bad(f"'sampling' has unknown keys {unknown} (allowed: {', '.join(_SAMPLING_KEYS)})")
@@ -142,7 +118,7 @@ def _check_sampling(sampling: Any, max_tokens: int, limits: ServeLimits) -> dict
         if key in out:
             v = out[key]
             if type(v) not in (int, float) or not math.isfinite(v):
-                raise _bad(f"sampling.{key} must be a number, got {_kind(v)}")
+                raise _bad(f"sampling.{key} must be a number, got {json_kind(v)}")
             out[key] = float(v)
     if "temperature" in out and not 0.0 <= out["temperature"] <= 2.0:
         raise _bad(f"sampling.temperature must be in [0, 2], got {out['temperature']}")
@@ -153,7 +129,7 @@ def _check_sampling(sampling: Any, max_tokens: int, limits: ServeLimits) -> dict
     if "seed" in out and (not _is_int(out["seed"]) or not 0 <= out["seed"] < 2**63):
         raise _bad(f"sampling.seed must be an int in [0, 2**63), got {out['seed']!r}")
     if "ignore_eos" in out and type(out["ignore_eos"]) is not bool:
-        raise _bad(f"sampling.ignore_eos must be true or false, got {_kind(out['ignore_eos'])}")
+        raise _bad(f"sampling.ignore_eos must be true or false, got {json_kind(out['ignore_eos'])}")
     if "min_tokens" in out:
         v = out["min_tokens"]
         if not _is_int(v) or not 0 <= v <= max_tokens:
@@ -178,16 +154,16 @@ def _scan_code(payload: Any) -> bool:
 
 def _check_request(payload: Any, token: Token, limits: ServeLimits) -> _Request:
     if type(payload) is not dict:
-        raise _bad(f"the request must be an object, got {_kind(payload)}")
+        raise _bad(f"the request must be an object, got {json_kind(payload)}")
     unknown = sorted(set(payload) - _REQUEST_KEYS)
     if unknown:
         raise _bad(f"the request has unknown keys {unknown} (allowed: {', '.join(sorted(_REQUEST_KEYS))})")
     generate = payload.get("generate", False)
     if type(generate) is not bool:
-        raise _bad(f"'generate' must be true or false, got {_kind(generate)}")
+        raise _bad(f"'generate' must be true or false, got {json_kind(generate)}")
     stream = payload.get("stream", False)
     if type(stream) is not bool:
-        raise _bad(f"'stream' must be true or false, got {_kind(stream)}")
+        raise _bad(f"'stream' must be true or false, got {json_kind(stream)}")
     cap = token.max_new_tokens or limits.max_new_tokens
     n = payload.get("max_new_tokens")
     if generate:
@@ -210,7 +186,7 @@ def _check_request(payload: Any, token: Token, limits: ServeLimits) -> _Request:
     for i, inv in enumerate(invokes):
         at = f"invokes[{i}]"
         if type(inv) is not dict:
-            raise _bad(f"{at} must be an object, got {_kind(inv)}")
+            raise _bad(f"{at} must be an object, got {json_kind(inv)}")
         unknown = sorted(set(inv) - _INVOKE_KEYS)
         if unknown:
             raise _bad(f"{at} has unknown keys {unknown} (allowed: {', '.join(sorted(_INVOKE_KEYS))})")
@@ -221,16 +197,16 @@ def _check_request(payload: Any, token: Token, limits: ServeLimits) -> _Request:
             if any(not _is_int(x) or not 0 <= x < 2**31 for x in prompt):
                 raise _bad(f"{at}.prompt: a list prompt must hold token ids (ints >= 0)")
         elif type(prompt) is not str:
-            raise _bad(f"{at}.prompt must be a string or a list of token ids, got {_kind(prompt)}")
+            raise _bad(f"{at}.prompt must be a string or a list of token ids, got {json_kind(prompt)}")
         block = inv.get("block")
         if block is not None and type(block) is not str:
-            raise _bad(f"{at}.block must be a block name (a string) or null, got {_kind(block)}")
+            raise _bad(f"{at}.block must be a block name (a string) or null, got {json_kind(block)}")
         args = inv.get("args", {})
         if type(args) is not dict:
-            raise _bad(f"{at}.args must be an object of parameter names to values, got {_kind(args)}")
+            raise _bad(f"{at}.args must be an object of parameter names to values, got {json_kind(args)}")
         if "code" in inv:
             if type(inv["code"]) is not str:
-                raise _bad(f"{at}.code must be a base64 string, got {_kind(inv['code'])}")
+                raise _bad(f"{at}.code must be a base64 string, got {json_kind(inv['code'])}")
             if block is not None or args:
                 raise _bad(f"{at}: an invoke ships either 'code' or a 'block' with 'args', not both")
         checked.append({"prompt": prompt, "block": block, "args": args, "code": inv.get("code")})
@@ -296,19 +272,6 @@ def create_app(
         kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "HTTPError")
         return refuse(exc.status_code, kind, str(exc.detail), getattr(exc, "headers", None))
 
-    def authenticate(request: Request) -> Token:
-        if tokens is None:
-            return _ANONYMOUS
-        header = request.headers.get("authorization")
-        token = tokens.authenticate(header)
-        if token is None:
-            why = "missing bearer token" if not header else "invalid bearer token"
-            raise _Refusal(
-                401, "AuthenticationError", f"{why} (send 'Authorization: Bearer <token>')",
-                {"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
-        return token
-
     def dead() -> bool:
         return bool(getattr(engine, "dead", False))
 
@@ -320,17 +283,17 @@ def create_app(
 
     async def blocks(request: Request) -> Response:
         try:
-            authenticate(request)
-        except _Refusal as r:
+            authenticate(tokens, request)
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         return JSONResponse({"blocks": registry.describe()})
 
     async def stats(request: Request) -> Response:
         try:
-            token = authenticate(request)
+            token = authenticate(tokens, request)
             if tokens is not None and not token.trusted:
-                raise _Refusal(403, "PermissionError", "server statistics are for trusted tokens only")
-        except _Refusal as r:
+                raise Refusal(403, "PermissionError", "server statistics are for trusted tokens only")
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         workers: dict[str, Any] = {}
         worker_stats = getattr(engine, "worker_stats", None)
@@ -340,29 +303,6 @@ def create_app(
             except Exception as e:
                 workers["workers_error"] = _error(type(e).__name__, str(e))
         return JSONResponse({"in_flight": sum(in_flight.values()), **counts, **workers})
-
-    async def read_body(request: Request) -> bytes:
-        length = request.headers.get("content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                raise _bad("the Content-Length header is not a number") from None
-            if declared > limits.max_body_bytes:
-                raise _Refusal(
-                    413, "WireLimitError",
-                    f"the body has {declared} bytes, more than the limit of {limits.max_body_bytes}",
-                )  # fmt: skip
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise _Refusal(
-                    413, "WireLimitError",
-                    f"the body has more than the limit of {limits.max_body_bytes} bytes",
-                )  # fmt: skip
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     async def offload(fn: Callable[..., Any], *args: Any, big: bool) -> Any:
         return await anyio.to_thread.run_sync(lambda: fn(*args)) if big else fn(*args)
@@ -380,7 +320,7 @@ def create_app(
                 bound = registry.bind(inv["block"], inv["args"])
             except BlockArgumentError as e:
                 kind = "UnknownBlockError" if isinstance(e, UnknownBlockError) else "BlockArgumentError"
-                raise _Refusal(422, kind, f"invokes[{i}]: {e}") from None
+                raise Refusal(422, kind, f"invokes[{i}]: {e}") from None
             out.append(_Invoke(inv["prompt"], bound.block, (), bound.kwargs))
         return out
 
@@ -398,7 +338,7 @@ def create_app(
             try:
                 block, args, kwargs = unpack_block(raw)
             except Exception as e:
-                raise _Refusal(
+                raise Refusal(
                     422, "CodeError", f"invokes[{i}].code cannot be loaded: {type(e).__name__}: {e}"
                 ) from None
             invokes[i].block, invokes[i].args, invokes[i].kwargs = block, tuple(args), dict(kwargs)
@@ -417,8 +357,8 @@ def create_app(
                     try:
                         handles.append(t.invoke(inv.prompt, inv.block, *inv.args, **inv.kwargs))
                     except Exception as e:  # the block does not fit the model (paths, signature)
-                        raise _Refusal(422, type(e).__name__, f"invokes[{i}]: {e}") from None
-        except _Refusal:
+                        raise Refusal(422, type(e).__name__, f"invokes[{i}]: {e}") from None
+        except Refusal:
             raise
         except Exception:
             if handles and all(h.done for h in handles):
@@ -456,7 +396,7 @@ def create_app(
 
     def failure(e: BaseException) -> tuple[int, str, str]:
         """The status, error type and message that a trace's failure answers (as without a stream)."""
-        if isinstance(e, _Refusal):
+        if isinstance(e, Refusal):
             return e.status, e.kind, e.message
         if isinstance(e, EngineDeadError):
             return 503, "EngineDeadError", str(e)
@@ -526,7 +466,7 @@ def create_app(
                         try:
                             handles.append(t.invoke(inv.prompt, inv.block, *inv.args, **inv.kwargs))
                         except Exception as e:  # the block does not fit the model (paths, signature)
-                            raise _Refusal(422, type(e).__name__, f"invokes[{i}]: {e}") from None
+                            raise Refusal(422, type(e).__name__, f"invokes[{i}]: {e}") from None
                     t._start_live()  # the run starts; t.stream() below follows it
                     await send({
                         "type": "http.response.start", "status": 200,
@@ -542,7 +482,7 @@ def create_app(
             except Exception as e:
                 if disconnected:
                     result = ("cancelled", None)
-                elif started and not isinstance(e, _Refusal) and handles and all(h.done for h in handles):
+                elif started and not isinstance(e, Refusal) and handles and all(h.done for h in handles):
                     result = ("ok", handles)  # the first block error, re-raised at exit
                 else:
                     result = ("error", e)
@@ -568,8 +508,8 @@ def create_app(
 
     async def trace(request: Request) -> Response:
         try:
-            token = authenticate(request)
-        except _Refusal as r:
+            token = authenticate(tokens, request)
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         most = token.max_concurrent or limits.max_concurrent
         if in_flight.get(token.name, 0) >= most:
@@ -591,7 +531,7 @@ def create_app(
 
                 response.release = release
             return response
-        except _Refusal as r:
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         except EngineDeadError as e:
             return refuse(503, "EngineDeadError", str(e))
@@ -606,24 +546,24 @@ def create_app(
         content_type = request.headers.get("content-type")
         kind = (content_type or "").split(";", 1)[0].strip().lower()
         binary = kind == wire.CONTENT_TYPE
-        body = await read_body(request)
+        body = await read_body(request, limits.max_body_bytes)
         big = len(body) > _OFFLOAD_BYTES
         try:
             payload = await offload(wire.decode_body, body, content_type, limits.wire, big=big)
         except wire.WireLimitError as e:
-            raise _Refusal(413, "WireLimitError", str(e)) from None
+            raise Refusal(413, "WireLimitError", str(e)) from None
         except wire.WireError as e:
-            raise _Refusal(400, "WireError", str(e)) from None
+            raise Refusal(400, "WireError", str(e)) from None
         del body
         if _scan_code(payload):
             if not allow_code:
-                raise _Refusal(
+                raise Refusal(
                     403, "PermissionError",
                     "this server does not run shipped code (start it with --allow-code, and use a "
                     "trusted token); name a registered block instead (GET /v1/blocks)",
                 )  # fmt: skip
             if not token.trusted:
-                raise _Refusal(403, "PermissionError", "this token may not ship code (it is not trusted)")
+                raise Refusal(403, "PermissionError", "this token may not ship code (it is not trusted)")
         req = _check_request(payload, token, limits)
         invokes = bind_invokes(req, token)
         if dead():
@@ -657,15 +597,15 @@ def create_app(
             return Response(status_code=499)
         status, value = result
         if status == "error":
-            if isinstance(value, _Refusal | EngineDeadError):
+            if isinstance(value, Refusal | EngineDeadError):
                 raise value
             if isinstance(value, asyncpp.InputError) or type(value).__name__ == "VLLMValidationError":
-                raise _Refusal(400, type(value).__name__, str(value))
+                raise Refusal(400, type(value).__name__, str(value))
             if isinstance(value, AsyncppError) and getattr(engine, "dead", False):
                 raise EngineDeadError(str(value))
             raise value
         if status != "ok":  # cancelled without a disconnect: the server is shutting down
-            raise _Refusal(503, "Cancelled", "the server cancelled this request (it is shutting down)")
+            raise Refusal(503, "Cancelled", "the server cancelled this request (it is shutting down)")
         encode = wire.encode if binary else wire.encode_json
         data = await offload(answer, req, value, encode, big=big)
         media = wire.CONTENT_TYPE if binary else wire.JSON_CONTENT_TYPE

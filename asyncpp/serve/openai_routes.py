@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import wire
 from .auth import Token, Tokens
-from .registry import BlockArgumentError, Registry, UnknownBlockError
+from .registry import BlockArgumentError, Registry, UnknownBlockError, json_kind
+from .requests import Refusal, authenticate, read_body
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI, Request
@@ -58,7 +59,6 @@ log = logging.getLogger("asyncpp.serve")
 
 FIELD = "asyncpp"  # the request's and the answer's extra field
 _ATTACH_KEYS = {"block", "args"}
-_ANONYMOUS = Token(token="", name="anonymous", trusted=False)
 
 # for tokenizers without a chat template of their own (the embedded tiny model's)
 CHAT_TEMPLATE = (
@@ -83,12 +83,6 @@ class _Attach:
 
 
 _ATTACH: contextvars.ContextVar[_Attach | None] = contextvars.ContextVar("asyncpp_attach", default=None)
-
-
-class _Refusal(Exception):
-    def __init__(self, status: int, kind: str, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.message, self.headers = status, kind, message, headers
 
 
 class EngineClient:
@@ -190,12 +184,6 @@ def _error_body(status: int, kind: str, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def _kind(value: Any) -> str:
-    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "object"}.get(
-        type(value), "null" if value is None else type(value).__name__
-    )
-
-
 def _wire_object(value: Any) -> Any:
     """``value`` in the JSON wire encoding's object form (tensors as ``{"__tensor__": ...}``)."""
     return json.loads(wire.encode_json(value))
@@ -231,7 +219,7 @@ def add_openai_routes(
         if state:
             return state
         if getattr(engine, "_llm", None) is None or getattr(engine, "_loop", None) is None:
-            raise _Refusal(501, "NotImplemented", "OpenAI-compatible routes need a VllmEngine")
+            raise Refusal(501, "NotImplemented", "OpenAI-compatible routes need a VllmEngine")
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
@@ -269,70 +257,42 @@ def add_openai_routes(
         )
         return state
 
-    def authenticate(request: Request) -> Token:
-        if tokens is None:
-            return _ANONYMOUS
-        header = request.headers.get("authorization")
-        token = tokens.authenticate(header)
-        if token is None:
-            why = "missing bearer token" if not header else "invalid bearer token"
-            raise _Refusal(
-                401, "AuthenticationError", f"{why} (send 'Authorization: Bearer <token>')",
-                {"WWW-Authenticate": "Bearer"},
-            )  # fmt: skip
-        return token
-
-    async def read_body(request: Request) -> bytes:
-        cap = limits.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > cap:
-            raise _Refusal(
-                413, "WireLimitError", f"the body has {length} bytes, more than the limit of {cap}"
-            )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise _Refusal(413, "WireLimitError", f"the body has more than the limit of {cap} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     def check(body: Any, token: Token, chat: bool) -> tuple[Any, _Attach | None]:
         """The request's protocol model (vLLM's), its max_tokens capped, and its bound block."""
         if type(body) is not dict:
-            raise _Refusal(400, "BadRequestError", f"the request must be a JSON object, got {_kind(body)}")
+            raise Refusal(400, "BadRequestError", f"the request must be a JSON object, got {json_kind(body)}")
         spec = body.pop(FIELD, None)
         cap = token.max_new_tokens or limits.max_new_tokens
         keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         given = [body[k] for k in keys if body.get(k) is not None]
         for n in given:
             if type(n) is not int or n < 1:
-                raise _Refusal(400, "BadRequestError", f"max_tokens must be an int >= 1, got {n!r}")
+                raise Refusal(400, "BadRequestError", f"max_tokens must be an int >= 1, got {n!r}")
             if n > cap:
-                raise _Refusal(
+                raise Refusal(
                     400, "BadRequestError", f"max_tokens is {n}, more than this token's limit of {cap}"
                 )
         if not given:
             body[keys[0]] = cap
         if spec is not None:
             if type(spec) is not dict:
-                raise _Refusal(400, "BadRequestError", f"'{FIELD}' must be an object, got {_kind(spec)}")
+                raise Refusal(400, "BadRequestError", f"'{FIELD}' must be an object, got {json_kind(spec)}")
             if "code" in spec:
-                raise _Refusal(
+                raise Refusal(
                     403, "PermissionError",
                     f"the OpenAI routes never run shipped code; name a registered block in '{FIELD}.block'",
                 )  # fmt: skip
             unknown = sorted(set(spec) - _ATTACH_KEYS)
             if unknown:
-                raise _Refusal(
+                raise Refusal(
                     400, "BadRequestError", f"'{FIELD}' has unknown keys {unknown} (allowed: args, block)"
                 )
             if type(spec.get("block")) is not str:
-                raise _Refusal(400, "BadRequestError", f"'{FIELD}.block' must be a block name (a string)")
+                raise Refusal(400, "BadRequestError", f"'{FIELD}.block' must be a block name (a string)")
             if type(spec.get("args", {})) is not dict:
-                raise _Refusal(400, "BadRequestError", f"'{FIELD}.args' must be an object")
+                raise Refusal(400, "BadRequestError", f"'{FIELD}.args' must be an object")
             if body.get("n", 1) not in (1, None) or body.get("use_beam_search"):
-                raise _Refusal(
+                raise Refusal(
                     400,
                     "BadRequestError",
                     "a request with a block samples one sequence (n=1, no beam search)",
@@ -340,7 +300,7 @@ def add_openai_routes(
             prompt = body.get("prompt")
             if not chat and type(prompt) is list and prompt and type(prompt[0]) is not int:
                 if len(prompt) != 1:
-                    raise _Refusal(400, "BadRequestError", "a request with a block has one prompt")
+                    raise Refusal(400, "BadRequestError", "a request with a block has one prompt")
         try:
             if chat:
                 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
@@ -348,20 +308,20 @@ def add_openai_routes(
                 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model
             req = Model.model_validate(body)
         except Exception as e:  # pydantic's ValidationError, or vLLM's own checks
-            raise _Refusal(400, "BadRequestError", str(e)) from None
+            raise Refusal(400, "BadRequestError", str(e)) from None
         attach = None
         if spec is not None:
             try:
                 args = wire.decode_json(json.dumps(spec.get("args", {})), limits.wire)
             except wire.WireLimitError as e:
-                raise _Refusal(413, "WireLimitError", f"{FIELD}.args: {e}") from None
+                raise Refusal(413, "WireLimitError", f"{FIELD}.args: {e}") from None
             except (wire.WireError, ValueError) as e:
-                raise _Refusal(400, "WireError", f"{FIELD}.args: {e}") from None
+                raise Refusal(400, "WireError", f"{FIELD}.args: {e}") from None
             try:
                 bound = registry.bind(spec["block"], args)
             except BlockArgumentError as e:
                 kind = "UnknownBlockError" if isinstance(e, UnknownBlockError) else "BlockArgumentError"
-                raise _Refusal(422, kind, str(e)) from None
+                raise Refusal(422, kind, str(e)) from None
             from ..engines.vllm.transport import pack_block
 
             num = next(engine._ids)
@@ -391,8 +351,8 @@ def add_openai_routes(
 
     async def generation(request: Request, chat: bool) -> Response:
         try:
-            token = authenticate(request)
-        except _Refusal as r:
+            token = authenticate(tokens, request)
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         most = token.max_concurrent or limits.max_concurrent
         if in_flight.get(token.name, 0) >= most:
@@ -408,7 +368,7 @@ def add_openai_routes(
             response = await handle(request, token, chat)
             streaming = isinstance(response, StreamingResponse)
             return response
-        except _Refusal as r:
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         except Exception:
             log.exception("asyncpp serve: an OpenAI request failed on the server")
@@ -419,14 +379,14 @@ def add_openai_routes(
 
     async def handle(request: Request, token: Token, chat: bool) -> Response:
         serve = serving()
-        raw = await read_body(request)
+        raw = await read_body(request, limits.max_body_bytes, "BadRequestError")
         try:
             body = json.loads(raw)
         except ValueError as e:
-            raise _Refusal(400, "BadRequestError", f"the body is not valid JSON ({e})") from None
+            raise Refusal(400, "BadRequestError", f"the body is not valid JSON ({e})") from None
         req, attach = check(body, token, chat)
         if getattr(engine, "dead", False):
-            raise _Refusal(503, "EngineDeadError", "the server's engine is dead")
+            raise Refusal(503, "EngineDeadError", "the server's engine is dead")
         handler = serve["chat"].create_chat_completion if chat else serve["completion"].create_completion
         _ATTACH.set(attach)  # (read when the handler calls EngineClient.generate, in this context)
         task = asyncio.ensure_future(handler(req, request))
@@ -494,9 +454,9 @@ def add_openai_routes(
 
     async def models(request: Request) -> Response:
         try:
-            authenticate(request)
+            authenticate(tokens, request)
             serve = serving()
-        except _Refusal as r:
+        except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
         listed = await serve["models"].show_available_models()
         return JSONResponse(listed.model_dump())

@@ -107,21 +107,29 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 
 
+_JSON_KINDS = {
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    list: "list",
+    tuple: "list",
+    dict: "object",
+    type(None): "null",
+}
+
+
+def json_kind(value: Any) -> str:
+    """A client value's JSON type name, as error messages give it."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
 def _short(value: Any) -> str:
     """A client value as error messages show it: its JSON-ish type and a short repr."""
     if isinstance(value, torch.Tensor):
         dtype = DTYPE_NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))
         return f"a {dtype} tensor of shape {tuple(value.shape)}"
-    kind = {
-        bool: "bool",
-        int: "int",
-        float: "float",
-        str: "str",
-        list: "list",
-        tuple: "list",
-        dict: "object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
+    kind = json_kind(value)
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
