@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from serve_helpers import ALICE_SECRET, ROOT_SECRET, Server, start_server
 
 from asyncpp.serve import wire
 
@@ -29,8 +26,8 @@ pytestmark = pytest.mark.timeout(90)  # the first test also waits for the server
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "asyncpp-tiny-llama"
-ALICE = "alice-token-0123"
-ROOT_TOKEN = "root-token-4567"
+ALICE = ALICE_SECRET
+ROOT_TOKEN = ROOT_SECRET
 PROMPT = "The cat sat on the"
 TEST_BLOCKS = '''
 import time
@@ -58,81 +55,23 @@ async def crawl(m, per_step: Annotated[float, Range(0, 1)]):
 '''
 
 
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
-        self.proc, self.url, self.log = proc, url, log
-
+class OpenAIServer(Server):
     def client(self, token: str = ROOT_TOKEN, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=token, max_retries=0, timeout=30, **kw)
 
     def aclient(self, token: str = ROOT_TOKEN) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=token, max_retries=0, timeout=30)
 
-    def stats(self) -> dict:
-        r = httpx.get(self.url + "/v1/stats", headers={"Authorization": f"Bearer {ROOT_TOKEN}"}, timeout=10)
-        assert r.status_code == 200, r.text
-        return r.json()
-
     def wait_idle(self, timeout: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats()
-            idle = s["in_flight"] == 0 and all(w["requests"] == 0 and w["done"] == 0 for w in s["workers"])
-            if idle or time.monotonic() > deadline:
-                return s
-            time.sleep(0.05)
+        def idle(s: dict) -> bool:
+            return s["in_flight"] == 0 and all(w["requests"] == 0 and w["done"] == 0 for w in s["workers"])
+
+        return self.wait_stats(idle, timeout)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve_openai")
-    tokens = d / "tokens.json"
-    tokens.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {"token": ALICE, "name": "alice", "max_concurrent": 2, "max_new_tokens": 32},
-                    {"token": ROOT_TOKEN, "name": "root", "trusted": True, "max_concurrent": 64},
-                ]
-            }
-        )
-    )
-    blocks = d / "test_blocks.py"
-    blocks.write_text(TEST_BLOCKS)
-    log = d / "server.log"
-    cmd = [
-        sys.executable, "-m", "asyncpp.serve", "--port", "0", "--dtype", "float32",
-        "--blocks", str(ROOT / "examples" / "serve_blocks.py"), "--blocks", str(blocks),
-        "--tokens", str(tokens),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCPP_TOKENS"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = None
-    deadline = time.monotonic() + 80
-    try:
-        while url is None:
-            text = log.read_text(errors="replace")
-            for line in text.splitlines():
-                if line.startswith("asyncpp: serving ") and " on http://" in line:
-                    url = line.split(" on ", 1)[1].strip()
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited ({proc.returncode}) before it was ready:\n{text[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not ready within 80 s:\n{text[-3000:]}")
-            time.sleep(0.2)
-        assert url.startswith("http://127.0.0.1:")
-        yield Server(proc, url, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    yield from start_server(tmp_path_factory.mktemp("serve_openai"), TEST_BLOCKS, cls=OpenAIServer)
 
 
 def hf_greedy(tiny, prompt_ids: list[int], n: int) -> list[int]:

@@ -8,15 +8,11 @@ and a few test-only blocks; its fixture is a copy of the one in tests/test_serve
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from serve_helpers import ALICE_SECRET, ROOT_SECRET, start_server
 
 import asyncpp
 from asyncpp.serve import wire
@@ -28,8 +24,8 @@ pytest.importorskip("fastapi")
 pytestmark = pytest.mark.timeout(90)  # the first test also waits for the server (20-40 s)
 
 ROOT = Path(__file__).resolve().parent.parent
-ALICE = {"Authorization": "Bearer alice-token-0123"}
-ROOT_TOKEN = {"Authorization": "Bearer root-token-4567"}
+ALICE = {"Authorization": f"Bearer {ALICE_SECRET}"}
+ROOT_TOKEN = {"Authorization": f"Bearer {ROOT_SECRET}"}
 PROMPT = "The cat sat on the"
 
 TEST_BLOCKS = '''
@@ -62,83 +58,11 @@ async def emit_then_fail(m, message: str):
 '''
 
 
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
-        self.proc, self.url, self.log = proc, url, log
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-    def stats(self) -> dict:
-        r = httpx.get(self.url + "/v1/stats", headers=ROOT_TOKEN, timeout=10)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def wait_stats(self, pred, timeout: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats()
-            if pred(s) or time.monotonic() > deadline:
-                return s
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve-stream")
-    tokens = d / "tokens.json"
-    tokens.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {
-                        "token": "alice-token-0123",
-                        "name": "alice",
-                        "max_concurrent": 2,
-                        "max_new_tokens": 32,
-                        "max_invokes": 4,
-                    },
-                    {"token": "root-token-4567", "name": "root", "trusted": True, "max_concurrent": 64},
-                ]
-            }
-        )
+    yield from start_server(
+        tmp_path_factory.mktemp("serve-stream"), TEST_BLOCKS, "--allow-code", "--max-body-bytes", str(2**20)
     )
-    blocks = d / "stream_blocks.py"
-    blocks.write_text(TEST_BLOCKS)
-    log = d / "server.log"
-    cmd = [
-        sys.executable, "-m", "asyncpp.serve", "--port", "0", "--dtype", "float32",
-        "--blocks", str(ROOT / "examples" / "serve_blocks.py"), "--blocks", str(blocks),
-        "--tokens", str(tokens), "--allow-code", "--max-body-bytes", str(2**20),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCPP_TOKENS"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = None
-    deadline = time.monotonic() + 90
-    try:
-        while url is None:
-            text = log.read_text(errors="replace")
-            for line in text.splitlines():
-                if line.startswith("asyncpp: serving ") and " on http://" in line:
-                    url = line.split(" on ", 1)[1].strip()
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited ({proc.returncode}) before it was ready:\n{text[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not ready within 90 s:\n{text[-3000:]}")
-            time.sleep(0.2)
-        assert url.startswith("http://127.0.0.1:")
-        yield Server(proc, url, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 def post(server, payload, *, headers=ROOT_TOKEN, timeout=30):
