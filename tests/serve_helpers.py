@@ -26,6 +26,33 @@ TOKENS = {
 }
 
 
+# test-only blocks: one that raises, one that crawls through a generation unless it is aborted
+FAILING_AND_SLOW_BLOCKS = '''
+import time
+from typing import Annotated
+
+from asyncpp.serve import Range, block
+
+
+@block
+async def boom(m, message: str):
+    """Raise RuntimeError(message) after the first layer."""
+    await m.model.layers[0].output
+    raise RuntimeError(message)
+
+
+@block
+async def crawl(m, per_step: Annotated[float, Range(0, 1)]):
+    """Sleep at every generation step: a generation that takes long unless it is aborted."""
+    n = 0
+    async for _ in m.steps():
+        await m.logits
+        time.sleep(per_step)
+        n += 1
+    return n
+'''
+
+
 class Server:
     """A running server: its process, base URL and log."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import ALICE_SECRET, ROOT_SECRET, start_server
+from serve_helpers import ALICE_SECRET, FAILING_AND_SLOW_BLOCKS, ROOT_SECRET, start_server
 
 import asyncpp
 from asyncpp.serve import Registry, wire
@@ -43,30 +43,7 @@ JSON = {"Content-Type": "application/json"}
 BIN = {"Content-Type": wire.CONTENT_TYPE}
 PROMPT = "The cat sat on the"
 
-TEST_BLOCKS = '''
-import time
-from typing import Annotated
-
-from asyncpp.serve import Range, block
-
-
-@block
-async def boom(m, message: str):
-    """Raise RuntimeError(message) after the first layer."""
-    await m.model.layers[0].output
-    raise RuntimeError(message)
-
-
-@block
-async def crawl(m, per_step: Annotated[float, Range(0, 1)]):
-    """Sleep at every generation step: a generation that takes long unless it is aborted."""
-    n = 0
-    async for _ in m.steps():
-        await m.logits
-        time.sleep(per_step)
-        n += 1
-    return n
-'''
+TEST_BLOCKS = FAILING_AND_SLOW_BLOCKS
 
 
 @pytest.fixture(scope="module")

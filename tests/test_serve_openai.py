@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import ALICE_SECRET, ROOT_SECRET, Server, start_server
+from serve_helpers import ALICE_SECRET, FAILING_AND_SLOW_BLOCKS, ROOT_SECRET, Server, start_server
 
 from asyncpp.serve import wire
 
@@ -29,30 +29,7 @@ MODEL = "asyncpp-tiny-llama"
 ALICE = ALICE_SECRET
 ROOT_TOKEN = ROOT_SECRET
 PROMPT = "The cat sat on the"
-TEST_BLOCKS = '''
-import time
-from typing import Annotated
-
-from asyncpp.serve import Range, block
-
-
-@block
-async def boom(m, message: str):
-    """Raise RuntimeError(message) after the first layer."""
-    await m.model.layers[0].output
-    raise RuntimeError(message)
-
-
-@block
-async def crawl(m, per_step: Annotated[float, Range(0, 1)]):
-    """Sleep at every generation step: a generation that takes long unless it is aborted."""
-    n = 0
-    async for _ in m.steps():
-        await m.logits
-        time.sleep(per_step)
-        n += 1
-    return n
-'''
+TEST_BLOCKS = FAILING_AND_SLOW_BLOCKS
 
 
 class OpenAIServer(Server):

@@ -38,7 +38,7 @@ from . import wire
 from .auth import Token, Tokens
 from .openai_routes import add_openai_routes
 from .registry import BlockArgumentError, Registry, UnknownBlockError, json_kind
-from .requests import Refusal, authenticate, read_body
+from .requests import Refusal, authenticate, read_body, take_slot
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI, Request
@@ -509,16 +509,9 @@ def create_app(
     async def trace(request: Request) -> Response:
         try:
             token = authenticate(tokens, request)
+            take_slot(in_flight, token, limits.max_concurrent)
         except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
-        most = token.max_concurrent or limits.max_concurrent
-        if in_flight.get(token.name, 0) >= most:
-            return refuse(
-                429, "TooManyRequests",
-                f"this token already has {most} requests in flight (its limit); retry when one ends",
-                {"Retry-After": "1"},
-            )  # fmt: skip
-        in_flight[token.name] = in_flight.get(token.name, 0) + 1
         counts["requests"] += 1
         held = True  # the token's slot, released here, or by a streamed answer once it has ended
         try:

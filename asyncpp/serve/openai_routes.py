@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from . import wire
 from .auth import Token, Tokens
 from .registry import BlockArgumentError, Registry, UnknownBlockError, json_kind
-from .requests import Refusal, authenticate, read_body
+from .requests import Refusal, authenticate, read_body, take_slot
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI, Request
@@ -352,16 +352,9 @@ def add_openai_routes(
     async def generation(request: Request, chat: bool) -> Response:
         try:
             token = authenticate(tokens, request)
+            take_slot(in_flight, token, limits.max_concurrent)
         except Refusal as r:
             return refuse(r.status, r.kind, r.message, r.headers)
-        most = token.max_concurrent or limits.max_concurrent
-        if in_flight.get(token.name, 0) >= most:
-            return refuse(
-                429, "TooManyRequests",
-                f"this token already has {most} requests in flight (its limit); retry when one ends",
-                {"Retry-After": "1"},
-            )  # fmt: skip
-        in_flight[token.name] = in_flight.get(token.name, 0) + 1
         counts["requests"] = counts.get("requests", 0) + 1
         streaming = False
         try:

@@ -60,3 +60,16 @@ async def read_body(request: Request, max_bytes: int, bad_kind: str = "RequestEr
             raise Refusal(413, "WireLimitError", f"the body has more than the limit of {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def take_slot(in_flight: dict[str, int], token: Token, default_limit: int) -> None:
+    """Count one more request in flight for ``token`` (the caller gives it back when the request
+    has ended), or refuse it (429) when the token already has its limit in flight."""
+    most = token.max_concurrent or default_limit
+    if in_flight.get(token.name, 0) >= most:
+        raise Refusal(
+            429, "TooManyRequests",
+            f"this token already has {most} requests in flight (its limit); retry when one ends",
+            {"Retry-After": "1"},
+        )  # fmt: skip
+    in_flight[token.name] = in_flight.get(token.name, 0) + 1
