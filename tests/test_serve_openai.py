@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -238,9 +237,7 @@ def test_disconnect_aborts(server):
     ) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    t0 = time.monotonic()
     s = server.wait_idle(timeout=15)
     assert s["in_flight"] == 0 and all(w["requests"] == 0 and w["blocks"] == 0 for w in s["workers"]), s
-    assert time.monotonic() - t0 < 10  # far less than 200 steps of 0.2 s
     assert s["aborted"] >= before + 1
     assert len(complete(server.client(), n=3).choices[0].token_ids) == 3

@@ -8,7 +8,6 @@ and a few test-only blocks; its fixture is a copy of the one in tests/test_serve
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -128,7 +127,6 @@ def clean(before):
 def test_values_arrive_while_the_trace_runs_and_a_disconnect_aborts_it(server):
     before = server.stats()
     payload = generate(400, ("x", "ticker", {"per_step": 0.02}))  # about 8 s unless aborted
-    start = time.monotonic()
     with httpx.stream(
         "POST", server.url + "/v1/trace", content=wire.encode_json({**payload, "stream": True}),
         headers={**ROOT_TOKEN, "Content-Type": "application/json"}, timeout=30,
@@ -145,7 +143,6 @@ def test_values_arrive_while_the_trace_runs_and_a_disconnect_aborts_it(server):
     # leaving the `with` closed the connection mid-stream: the server aborts the trace's requests
     s = server.wait_stats(clean(before), timeout=6)
     assert clean(before)(s) and s["aborted"] == before["aborted"] + 1, s
-    assert time.monotonic() - start < 5  # aborted: running to the end takes more than 8 s
     assert post(server, {"invokes": [{"prompt": "x"}]}).status_code == 200
 
 
@@ -254,8 +251,6 @@ def test_remote_engine_stream_errors_and_abandon(server):
                     assert v == 0
                     raise KeyError("the caller gives up")
 
-    start = time.monotonic()
     anyio.run(leave_early)
     s = server.wait_stats(clean(before), timeout=6)
     assert clean(before)(s) and s["aborted"] == before["aborted"] + 1, s
-    assert time.monotonic() - start < 5
