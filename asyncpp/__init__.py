@@ -19,6 +19,7 @@ from .engines.local import LocalEngine
 from .engines.local.inputs import InputError
 from .kernel.errors import (
     AsyncppError,
+    BlockTimeoutError,
     EngineDeadError,
     ForeignAwaitError,
     InternalError,
@@ -65,6 +66,7 @@ def gather(*awaitables: Any) -> Gather:
 
 __all__ = [
     "AsyncppError",
+    "BlockTimeoutError",
     "Engine",
     "EngineDeadError",
     "ForeignAwaitError",

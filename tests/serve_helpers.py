@@ -26,7 +26,8 @@ TOKENS = {
 }
 
 
-# test-only blocks: one that raises, one that crawls through a generation unless it is aborted
+# test-only blocks: one that raises, one that stalls the model thread, one that crawls through a
+# generation unless it is aborted
 FAILING_AND_SLOW_BLOCKS = '''
 import time
 from typing import Annotated
@@ -39,6 +40,14 @@ async def boom(m, message: str):
     """Raise RuntimeError(message) after the first layer."""
     await m.model.layers[0].output
     raise RuntimeError(message)
+
+
+@block
+async def stall(m, seconds: Annotated[float, Range(0, 60)]):
+    """Sleep once on the model thread, after the first layer (the server's block budget stops it)."""
+    await m.model.layers[0].output
+    time.sleep(seconds)
+    return "woke"
 
 
 @block

@@ -49,8 +49,9 @@ TEST_BLOCKS = FAILING_AND_SLOW_BLOCKS
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from start_server(
-        tmp_path_factory.mktemp("serve"), TEST_BLOCKS, "--allow-code", "--max-body-bytes", str(2**20)
-    )
+        tmp_path_factory.mktemp("serve"), TEST_BLOCKS, "--allow-code", "--max-body-bytes", str(2**20),
+        "--block-budget", "1",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +388,38 @@ def test_disconnect_aborts_the_trace(server):
     assert clean(s) and s["aborted"] == before["aborted"] + 1, s
     # the engine is free at once: a short request is answered quickly
     ok(post(server, {"invokes": [{"prompt": "x"}]}))
+
+
+def test_a_stalling_block_is_stopped_by_the_budget_and_fails_alone(server, tiny):
+    """One block sleeps 30 s on the model thread; the server's 1 s budget interrupts it at its line,
+    its request fails with BlockTimeoutError, and four concurrent generations finish as alone."""
+    plain = {"generate": True, "max_new_tokens": 12, "sampling": {"ignore_eos": True}}
+    prompts = ["Once upon a time", "The cat sat on the", "Hello world", "A"]
+    alone = [ok(post(server, {**plain, "invokes": [{"prompt": p}]}))["invokes"][0]["tokens"] for p in prompts]
+    answers: dict[str, httpx.Response] = {}
+
+    def send(key, payload):
+        answers[key] = post(server, payload, timeout=25)  # (without the budget: 30 s, a ReadTimeout)
+
+    stalled = {**plain, "invokes": [{"prompt": "x", "block": "stall", "args": {"seconds": 30}}]}
+    threads = [threading.Thread(target=send, args=("stall", stalled))] + [
+        threading.Thread(target=send, args=(p, {**plain, "invokes": [{"prompt": p}]})) for p in prompts
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    inv = ok(answers["stall"])["invokes"][0]
+    assert inv["result"] is None and inv["error"]["type"] == "BlockTimeoutError", inv
+    assert "'stall'" in inv["error"]["message"] and "1 s" in inv["error"]["message"]
+    assert "test_blocks.py:" in inv["error"]["message"]  # the line it was stopped at
+    assert len(inv["tokens"]) == 12  # its request ran to its end; only its block was stopped
+    for p, tokens in zip(prompts, alone, strict=True):
+        got = ok(answers[p])["invokes"][0]
+        assert got["error"] is None and got["tokens"] == tokens
+    s = server.wait_stats(lambda s: s["in_flight"] == 0)
+    for w in s["workers"]:
+        assert w["requests"] == 0 and w["blocks"] == 0, w
 
 
 def _good_requests(tok):

@@ -43,3 +43,9 @@ class InternalError(AsyncppError):
 class EngineDeadError(AsyncppError):
     """An engine's process died (a vLLM worker, or its engine core): the engine cannot run traces
     any more, and every later trace on it fails at once with this error. Create a new engine."""
+
+
+class BlockTimeoutError(AsyncppError):
+    """A block's code ran longer than its time budget in one generation step (see
+    ``VllmEngine(block_budget=...)`` and ``asyncpp serve --block-budget``): it was interrupted at
+    the line it was running, and only its own request fails."""

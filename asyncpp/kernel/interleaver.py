@@ -20,6 +20,7 @@ thread-local-state swap at every switch into and out of a block).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import batching, grad, traps
+from . import batching, budget, grad, traps
 from .errors import AsyncppError, ForeignAwaitError, InternalError, NeverReachedError, OrderError, WriteError
 from .traps import (
     BACKWARD,
@@ -89,6 +90,8 @@ class Block:
         "ended",
         "seen",
         "session",
+        "budget_step",
+        "budget_used",
     )
     # state: the block's torch thread-local state (a BlockState of the switch), or None
 
@@ -109,6 +112,8 @@ class Block:
         self.ended = False  # its generation is over: step loops end, waits cannot be served
         self.seen: dict | None = None  # gradient runs: the values it was served, for loc.grad
         self.session: Any = None  # its open asyncpp.backward(...) session
+        self.budget_step = -1  # with a time budget: the step its time is counted in, and that time
+        self.budget_used = 0.0
 
     def where(self) -> str:
         """File and line where the block is suspended."""
@@ -253,6 +258,7 @@ class Interleaver:
         "on_pull",
         "grad",
         "on_emit",
+        "budget",
         "__weakref__",
     )
 
@@ -321,6 +327,9 @@ class Interleaver:
         self.grad = grad
         # streaming engines: on_emit(block, value) takes what a block passes to asyncpp.emit()
         self.on_emit: Callable[[Block, Any], None] | None = None
+        # a StepBudget: each block's code may run so long per step (else BlockTimeoutError); the
+        # engine turns the native fast path off, so every resume is timed here
+        self.budget: Any = None
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
 
@@ -371,6 +380,10 @@ class Interleaver:
         fast path in csrc/controller.cpp repeats it for plain reads, and hands anything else here
         as ``msg``, a trap the block has already yielded, with the block's state still ``entered``)."""
         prev = self.current
+        timing = self.budget if prev is None else None  # (the outermost resume is timed)
+        if timing is not None and block.budget_used == math.inf:
+            self._close(block)  # it ran out of time, caught the error and waited again
+            return
         self.current = block
         block.waiting = None
         state = None if entered else block.state
@@ -382,6 +395,8 @@ class Interleaver:
             slot.bypass = True
         coro = block.coro
         run_backward = False
+        if timing is not None:
+            timing.enter(block, self.step)
         try:
             while True:
                 if msg is _NOTHING:
@@ -427,6 +442,9 @@ class Interleaver:
                 if type(value) is _Throw:
                     exc, value = value.exc, None
         finally:
+            if timing is not None and timing.leave() and not block.done:
+                block.budget_used = math.inf
+                block.error = timing.error(block)  # kept when it is closed at its next resume
             if slot is not None:
                 slot.bypass = outer_bypass
             if state is not None:
@@ -1203,7 +1221,7 @@ class Interleaver:
         return NeverReachedError(msg)
 
 
-_KERNEL_FILES = (__file__, traps.__file__, grad.__file__)
+_KERNEL_FILES = (__file__, traps.__file__, grad.__file__, budget.__file__)
 
 
 def _user_traceback(tb):

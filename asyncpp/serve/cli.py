@@ -4,7 +4,8 @@
 
     asyncpp serve [MODEL] [--host 127.0.0.1] [--port 8000] [--blocks FILE_OR_MODULE ...]
                   [--tokens FILE] [--allow-code] [--max-body-bytes N] [--max-concurrent N]
-                  [--max-new-tokens N] [--max-invokes N] [--log-level LEVEL]
+                  [--max-new-tokens N] [--max-invokes N] [--block-budget SECONDS]
+                  [--log-level LEVEL]
                   [any VllmEngine / vLLM engine option as --kebab-case VALUE]
 
 Options it does not know are the engine's: ``--dtype float32 --tensor-parallel-size 2`` becomes
@@ -20,6 +21,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -27,7 +29,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["main", "parse_args"]
+__all__ = ["DEFAULT_BLOCK_BUDGET", "main", "parse_args"]
+
+DEFAULT_BLOCK_BUDGET = 2.0  # seconds per block per generation step
 
 _VALUE_OPTIONS = {
     "--host",
@@ -38,6 +42,7 @@ _VALUE_OPTIONS = {
     "--max-concurrent",
     "--max-new-tokens",
     "--max-invokes",
+    "--block-budget",
     "--log-level",
 }
 _FLAG_OPTIONS = {"--allow-code", "--help", "-h"}
@@ -78,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=int, default=None, help="default per-token max_new_tokens cap (512)"
     )
     p.add_argument("--max-invokes", type=int, default=None, help="default per-token invokes per request (16)")
+    p.add_argument(
+        "--block-budget", type=float, default=DEFAULT_BLOCK_BUDGET, metavar="SECONDS",
+        help=f"seconds a block's code may run per generation step before it is stopped and its request "
+        f"fails (default: {DEFAULT_BLOCK_BUDGET:g}; 0: no budget)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -250,9 +260,14 @@ def serve(argv: Sequence[str]) -> int:
 
     import asyncpp
 
+    if not math.isfinite(args.block_budget) or args.block_budget < 0:
+        sock.close()
+        _say(f"error: --block-budget must be a number of seconds >= 0, got {args.block_budget}", err=True)
+        return 2
+    budget = args.block_budget if args.block_budget > 0 else None
     try:
-        engine = asyncpp.VllmEngine(args.model, **engine_options)
-    except TypeError as e:
+        engine = asyncpp.VllmEngine(args.model, block_budget=budget, **engine_options)
+    except (TypeError, ValueError) as e:
         sock.close()
         _say(f"error: bad engine option: {e}", err=True)
         return 2

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError, EngineDeadError
 from ...locations.tree import tree_from_paths
 from ...pp.merge import NOT_HERE, merge
@@ -48,6 +49,9 @@ class VllmEngine(Engine):
     :param kv_cache_gib: KV-cache size per worker (``kv_cache_memory_bytes``).
     :param vllm_logs: show vLLM's own logs and warnings (default: ``ASYNCPP_VLLM_LOGS``, else no:
         vLLM's errors only, and one progress line while the engine starts).
+    :param block_budget: seconds each block's code may run per generation step; past that it is
+        interrupted with a ``BlockTimeoutError`` that fails its own request only (default: no
+        budget). Timing every resume turns the native fast path off on the workers.
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
     """
@@ -61,6 +65,7 @@ class VllmEngine(Engine):
         max_model_len: int = 512,
         kv_cache_gib: float = 1,
         vllm_logs: bool | None = None,
+        block_budget: float | None = None,
         **vllm_options: Any,
     ):
         default_model = model is None
@@ -75,6 +80,9 @@ class VllmEngine(Engine):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.vllm_logs = console.want_logs(vllm_logs)
+        if block_budget is not None:
+            StepBudget.check(block_budget)
+        self.block_budget = block_budget
         options = {
             "model": str(model),
             "enforce_eager": True,
@@ -143,6 +151,8 @@ class VllmEngine(Engine):
             entries = (await llm.collective_rpc("asyncpp_tree"))[0]
             stats = await llm.collective_rpc("asyncpp_stats")
             await llm.collective_rpc("asyncpp_stream", args=(self._receiver.address,))
+            if self.block_budget is not None:
+                await llm.collective_rpc("asyncpp_budget", args=(self.block_budget,))
         except BaseException:
             llm.shutdown()
             await self._receiver.close()

@@ -26,6 +26,7 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from ... import tls
+from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError
 from ...kernel.interleaver import Block, Interleaver
 from ...locations.tree import build_tree, tree_from_paths
@@ -75,6 +76,10 @@ class AsyncppWorker(CPUWorker):
     def asyncpp_stream(self, address: str) -> bool:
         """Connect to the driver's channel for streamed values; whether this rank sends on it."""
         return self.asyncpp.connect(address)
+
+    def asyncpp_budget(self, seconds: float | None) -> None:
+        """Give every block a time budget per generation step (None: none)."""
+        self.asyncpp.set_budget(seconds)
 
 
 class _Request:
@@ -129,6 +134,7 @@ class WorkerSession:
         self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
+        self._fast = bool(self.controllers.slot.fast)  # whether the native fast path applies
         kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
@@ -235,6 +241,18 @@ class WorkerSession:
     def _num_of(self, block: Block) -> int:
         req = self._request_of(block)
         return 0 if req is None else req.num
+
+    def set_budget(self, seconds: float | None) -> None:
+        """Time each block's code per step (``kernel.budget``): past ``seconds`` it is interrupted
+        with a BlockTimeoutError that fails its request only. Every resume must then run through
+        the kernel's Python code, so the native single-read fast path is turned off."""
+        kernel = self.kernel
+        if kernel.budget is not None:
+            kernel.budget.close()
+            kernel.budget = None
+        if seconds is not None:
+            kernel.budget = StepBudget(seconds)
+        self.controllers.slot.fast = kernel.budget is None and self._fast
 
     # --- streamed values ------------------------------------------------------------------------
 
