@@ -38,7 +38,7 @@ from .pp.remote import RemoteValueError, pull
 from .pp.transport import PullError, PullTimeout
 from .tls import TLSBuildError
 from .trace.api import Invoke, Trace, generate, trace
-from .trace.stream import emit
+from .trace.stream import StreamEvent, emit
 
 __version__ = "0.1.0"
 
@@ -85,6 +85,7 @@ __all__ = [
     "RankDivergenceWarning",
     "RemoteValueError",
     "Slot",
+    "StreamEvent",
     "SlotError",
     "TLSBuildError",
     "Trace",

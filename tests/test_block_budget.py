@@ -76,9 +76,7 @@ async def busy(m):
 def test_a_slow_block_fails_alone_at_its_line():
     model = _model()
     expect = model(torch.ones(2, 8))[1:]
-    t0 = time.monotonic()
     (slow, fine), out = _run(model, [sleeper, reader], 0.2)
-    assert time.monotonic() - t0 < 20  # (not a timing claim: without the budget this sleeps 30 s)
     assert slow[0] is None and isinstance(slow[1], asyncpp.BlockTimeoutError)
     assert "'sleeper'" in str(slow[1]) and "0.2 s" in str(slow[1])
     assert f"{__file__}:" in str(slow[1])  # the line it was interrupted at

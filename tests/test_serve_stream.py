@@ -150,18 +150,28 @@ def test_done_equals_the_answer_without_a_stream_and_invokes_interleave(server):
     payload = generate(
         8, (PROMPT, "lens_stream", {"k": 2}), ("Hello", "ticker", {"per_step": 0.01}), ("A", None, {})
     )
-    got = stream(server, payload)
+    everything = stream(server, payload)
     plain = post(server, payload)
     assert plain.status_code == 200
-    assert got[-1] == ("done", wire.decode_json(plain.content))
-    assert [k for k, _ in got[:-1]] == ["emit"] * 16
-    order = [d["invoke"] for _, d in got[:-1]]
-    lens = [d["value"] for _, d in got[:-1] if d["invoke"] == 0]
-    ticks = [d["value"] for _, d in got[:-1] if d["invoke"] == 1]
+    assert everything[-1] == ("done", wire.decode_json(plain.content))
+    done = everything[-1][1]["invokes"]
+    # one tokens event per invoke per step, each after that step's emitted value (invokes 0 and 1)
+    tokens = [d for k, d in everything[:-1] if k == "tokens"]
+    for i in range(3):
+        mine = [d for d in tokens if d["invoke"] == i]
+        assert [t for d in mine for t in d["tokens"]] == done[i]["tokens"] and len(mine) == 8
+        text = "".join(d["text"] for d in mine)  # (bytes not yet a character come with a later event)
+        assert done[i]["text"].startswith(text) and not done[i]["text"][len(text) :].strip("\ufffd")
+        kinds = [k for k, d in everything[:-1] if d["invoke"] == i]
+        assert kinds == (["emit", "tokens"] * 8 if i < 2 else ["tokens"] * 8), kinds
+    got = [(k, d) for k, d in everything[:-1] if k == "emit"]
+    assert len(got) == 16 and len(everything) == 16 + 24 + 1
+    order = [d["invoke"] for _, d in got]
+    lens = [d["value"] for _, d in got if d["invoke"] == 0]
+    ticks = [d["value"] for _, d in got if d["invoke"] == 1]
     assert ticks == list(range(8)) and [v["step"] for v in lens] == list(range(8))
     assert all(len(v["lens"]) == 4 and all(len(t) == 2 for t in v["lens"]) for v in lens)
     assert order.index(1) < len(order) - 1 - order[::-1].index(0), order  # interleaved, as made
-    done = got[-1][1]["invokes"]
     assert [d["result"] for d in done] == [8, 8, None]
     # the lens' own top-1 at each step is the token the model sampled next
     assert [v["logits"][0] for v in lens] == done[0]["tokens"]
@@ -172,10 +182,14 @@ def test_a_failing_block_and_refusals(server):
         {"prompt": PROMPT, "block": "emit_then_fail", "args": {"message": "no more"}},
         {"prompt": PROMPT, "block": "read_layer", "args": {"layer": 1}},
     ]}  # fmt: skip
-    got = stream(server, payload)
+    everything = stream(server, payload)
+    got = [(k, d) for k, d in everything if k != "tokens"]
     assert got[:2] == [("emit", {"invoke": 0, "value": 1}), ("emit", {"invoke": 0, "value": 2})]
     kind, done = got[2]
     assert kind == "done" and len(got) == 3
+    # each request sampled its one token (the failed block's request ran on)
+    tokens = {d["invoke"]: d["tokens"] for k, d in everything if k == "tokens"}
+    assert tokens == {0: done["invokes"][0]["tokens"], 1: done["invokes"][1]["tokens"]}
     assert done["invokes"][0]["error"] == {"type": "RuntimeError", "message": "no more"}
     assert done["invokes"][1]["error"] is None and done["invokes"][1]["result"].shape == (128,)
     # what fails before the stream begins answers JSON, as without a stream
@@ -213,9 +227,14 @@ def test_remote_engine_streams_live(server, backend):
         async with asyncpp.generate(remote, max_new_tokens=3) as t2:
             c = t2.invoke("Hi", "lens_stream", k=1)
             values = [v async for v in c.stream()]
-        return a, b, c, seen, live, values
+        async with asyncpp.generate(remote, max_new_tokens=5, ignore_eos=True) as t3:
+            d = t3.invoke(PROMPT, "ticker")
+            evs = [(ev.kind, ev.value) async for ev in d.events()]
+        return a, b, c, seen, live, values, d, evs
 
-    a, b, c, seen, live, values = anyio.run(main, backend=backend[0], backend_options=backend[1])
+    a, b, c, seen, live, values, d, evs = anyio.run(main, backend=backend[0], backend_options=backend[1])
+    toks = d.tokens[0].tolist()
+    assert evs == [e for k, x in enumerate(toks) for e in (("emit", k), ("tokens", [x]))]
     assert live == 1
     assert [v for i, v in seen if i == 0] == a.emitted == list(range(30)) and a.result == 30
     assert [v for i, v in seen if i == 1] == b.emitted and len(b.emitted) == 30 and b.result == 30
@@ -254,3 +273,13 @@ def test_remote_engine_stream_errors_and_abandon(server):
     anyio.run(leave_early)
     s = server.wait_stats(clean(before), timeout=6)
     assert clean(before)(s) and s["aborted"] == before["aborted"] + 1, s
+
+
+def test_text_deltas_add_up_to_the_text(tiny):
+    from asyncpp.serve.app import _TextDelta
+
+    _, tok = tiny
+    ids = tok("héllo wörld, ça va? 日本", add_special_tokens=False)["input_ids"]
+    deltas = _TextDelta(tok)
+    text = "".join(deltas.add([x]) for x in ids)  # one token at a time, as a generation samples them
+    assert text == tok.decode(ids, skip_special_tokens=True) and "\ufffd" not in text

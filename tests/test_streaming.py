@@ -72,6 +72,22 @@ def test_trace_stream_interleaves_invokes_and_matches_their_results(engine, back
     assert [tok for i, _, tok in items if i == 1] == b.result == b.tokens[0].tolist()
 
 
+def test_events_on_a_local_engine_end_with_each_invokes_tokens(engine):
+    async def main():
+        async with asyncpp.generate(engine, max_new_tokens=3) as t:
+            a = t.invoke("Hello", tokens_block)
+            b = t.invoke("The quick brown", tokens_block)
+            events = [(ev.invoke.index, ev.kind, ev.value) async for ev in t.events()]
+        return events, a, b
+
+    events, a, b = run(main, BACKENDS[0])
+    emits = [(i, v["token"]) for i, k, v in events if k == "emit"]
+    assert emits == [(0, a.result[0]), (1, b.result[0]), (0, a.result[1]), (1, b.result[1]),
+                     (0, a.result[2]), (1, b.result[2])]  # fmt: skip
+    # a LocalEngine does not stream tokens: each invoke's come last, one event per sequence
+    assert events[6:] == [(0, "tokens", a.tokens[0].tolist()), (1, "tokens", b.tokens[0].tolist())]
+
+
 def test_sync_trace_keeps_what_was_emitted_and_replays_it(engine):
     with asyncpp.generate(engine, max_new_tokens=3) as t:
         h = t.invoke("Hello", tokens_block)

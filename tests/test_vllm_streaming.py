@@ -107,6 +107,52 @@ def test_concurrent_traces_each_get_only_their_own_values_in_order(engine, tmp_p
     assert_clean(engine)
 
 
+async def argmax_per_step(m):
+    """Emits each step's greedy token: the step's sampled token must come after it."""
+    async for _ in m.steps():
+        asyncpp.emit(int((await m.logits)[-1].argmax()))
+
+
+async def idle(m):
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_events_carry_tokens_as_they_are_sampled_after_the_steps_values(engine):
+    n = 12
+
+    async def main():
+        async with asyncpp.generate(engine, max_new_tokens=n, ignore_eos=True) as t:
+            a = t.invoke("Hello there", argmax_per_step)
+            b = t.invoke("The cat sat", idle)  # a block that emits nothing: its tokens stream too
+            events = [ev async for ev in t.events()]
+        return a, b, events
+
+    a, b, events = asyncio.run(main())
+    for h in (a, b):
+        mine = [ev for ev in events if ev.invoke is h]
+        tokens = [x for ev in mine if ev.kind == "tokens" for x in ev.value]
+        assert tokens == h.tokens[0].tolist() and len(tokens) == n
+        assert all(len(ev.value) == 1 for ev in mine if ev.kind == "tokens")  # one per step
+    # invoke a: step k's emitted argmax, then step k's sampled token (the same one: greedy)
+    kinds = [(ev.kind, ev.value) for ev in events if ev.invoke is a]
+    expect = []
+    for tok in a.tokens[0].tolist():
+        expect += [("emit", tok), ("tokens", [tok])]
+    assert kinds == expect
+    assert a.emitted == a.tokens[0].tolist()
+
+    async def after():  # after a run without a stream: emitted values, then the tokens in one event
+        async with asyncpp.generate(engine, max_new_tokens=3, ignore_eos=True) as t:
+            h = t.invoke("Hello there", argmax_per_step)
+        return h, [(ev.kind, ev.value) async for ev in h.events()]
+
+    h, replay = asyncio.run(after())
+    toks = h.tokens[0].tolist()
+    assert replay == [("emit", x) for x in toks] + [("tokens", toks)]
+    assert_clean(engine)
+
+
 @pytest.mark.timeout(60)
 def test_sync_with_fills_emitted_with_tensors_and_values_made_after_the_loop(engine):
     async def lens(m):

@@ -32,6 +32,9 @@ class RunSpec:
     model_kwargs: dict = field(default_factory=dict)
     # values blocks emit (asyncpp.emit): sink(invoke index, value), called on the model's thread
     sink: Callable[[int, Any], None] | None = None
+    # engines that stream tokens (streams_tokens): token_sink(invoke index, new token ids) as each
+    # step's tokens are sampled, on the engine's thread
+    token_sink: Callable[[int, list[int]], None] | None = None
 
 
 class Deferred:
@@ -67,6 +70,7 @@ class Engine(ABC):
     tree: Root
     supports_grad: bool = False  # whether traces with grad=True (and backward passes) run on it
     supports_streaming: bool = False  # whether blocks may asyncpp.emit() (see submit)
+    streams_tokens: bool = False  # whether a streamed run reports tokens as they are sampled
 
     @abstractmethod
     def run(self, spec: RunSpec) -> RunOutcome:

@@ -467,7 +467,7 @@ def create_app(
                             handles.append(t.invoke(inv.prompt, inv.block, *inv.args, **inv.kwargs))
                         except Exception as e:  # the block does not fit the model (paths, signature)
                             raise Refusal(422, type(e).__name__, f"invokes[{i}]: {e}") from None
-                    t._start_live()  # the run starts; t.stream() below follows it
+                    t.start()  # the run starts; t.events() below follows it
                     await send({
                         "type": "http.response.start", "status": 200,
                         "headers": [
@@ -476,8 +476,14 @@ def create_app(
                         ],
                     })  # fmt: skip
                     started = True
-                    async for h, v in t.stream():
-                        await event(b"emit", emit_data(h.index, v))
+                    texts = [_TextDelta(getattr(engine, "tokenizer", None)) for _ in handles]
+                    async for ev in t.events():
+                        i = ev.invoke.index
+                        if ev.kind == "emit":
+                            await event(b"emit", emit_data(i, ev.value))
+                        else:
+                            data = {"invoke": i, "tokens": ev.value, "text": texts[i].add(ev.value)}
+                            await event(b"tokens", wire.encode_json(data))
                 result = ("ok", handles)
             except Exception as e:
                 if disconnected:
@@ -610,6 +616,28 @@ def create_app(
     app.add_route("/v1/trace", trace, methods=["POST"])
     add_openai_routes(app, engine, registry, tokens, limits, name, in_flight=in_flight, counts=counts)
     return app
+
+
+class _TextDelta:
+    """The text a request's newest tokens add (decoding all of its tokens so far: a token may
+    complete a character an earlier one began, so trailing undecodable bytes wait for the next)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def add(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        self.ids.extend(ids)
+        try:
+            now = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        except Exception:
+            return None
+        stable = now.rstrip("\ufffd")  # (trailing: a character still being spelled, perhaps)
+        if not stable.startswith(self.text):
+            return ""
+        delta, self.text = stable[len(self.text) :], stable
+        return delta
 
 
 def _model_name(engine: Any) -> str:

@@ -83,6 +83,7 @@ class RemoteEngine(Engine):
     named_blocks = True  # t.invoke(prompt, "block name", **args)
     tree = None  # blocks run on the server; the client holds no location tree
     supports_streaming = True  # blocks' asyncpp.emit() values arrive live, as server-sent events
+    streams_tokens = True  # and so do the tokens each request samples
 
     def __init__(self, url: str, token: str | None = None, *, timeout: float = 300.0, binary: bool = True):
         self.url = url.rstrip("/")
@@ -175,7 +176,8 @@ class RemoteEngine(Engine):
         self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]
     ) -> Callable[[], Any]:
         """Stream one trace (``"stream": true``): a thread of its own runs the request on its own
-        event loop, calls ``spec.sink(invoke, value)`` for every ``emit`` event as it arrives, and
+        event loop, calls ``spec.sink(invoke, value)`` for every ``emit`` event as it arrives (and
+        ``spec.token_sink(invoke, ids)`` for every ``tokens`` event), and
         at the end ``post(settle, ok, outcome or error)``. Returns a function that abandons the run
         (it closes the connection: the server then aborts the trace)."""
         loop = asyncio.new_event_loop()
@@ -250,6 +252,21 @@ class RemoteEngine(Engine):
                             emitted[i].append(item.get("value"))
                             if sink is not None:
                                 sink(i, item.get("value"))
+                        elif kind == "tokens":
+                            item = _decode(data)
+                            i = item.get("invoke") if type(item) is dict else None
+                            ids = item.get("tokens") if type(item) is dict else None
+                            if (
+                                type(i) is not int
+                                or not 0 <= i < len(spec.invokes)
+                                or type(ids) is not list
+                                or any(type(x) is not int for x in ids)
+                            ):
+                                raise RemoteError(
+                                    200, "WireError", "a tokens event from the server is malformed"
+                                )
+                            if spec.token_sink is not None:
+                                spec.token_sink(i, ids)
                         elif kind == "done":
                             outcome = self._from_answer(spec, 200, _decode(data))
                             for o, values in zip(outcome.invokes, emitted):
@@ -264,7 +281,7 @@ class RemoteEngine(Engine):
                                 str(info.get("type", "Error")),
                                 str(info.get("message", "")),
                             )
-                        # other events (tokens, from a newer server) are not for this client
+                        # other events (from a newer server) are not for this client
         raise RemoteError(200, "WireError", "the server's event stream ended before the trace's answer")
 
     def close(self) -> None:

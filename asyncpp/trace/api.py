@@ -18,7 +18,7 @@ from ..engines.base import Deferred, Engine, InvokeSpec, RunOutcome, RunSpec
 from ..kernel.errors import AsyncppError
 from ..kernel.interleaver import active_interleaver
 from ..locations.validate import check_block_paths
-from .stream import Live
+from .stream import EMIT, TOKENS, Live, StreamEvent
 
 _PENDING = object()
 _CO_COROUTINE = inspect.CO_COROUTINE
@@ -76,6 +76,15 @@ class Invoke:
         """The values this invoke's block emits (``asyncpp.emit``), as they are made: ``async for v
         in h.stream():`` inside ``async with`` starts the run; after the run, the values it made."""
         return self._trace._stream(self.index)
+
+    def events(self) -> AsyncIterator[StreamEvent]:
+        """This invoke's stream with its tokens: a :class:`StreamEvent` for every value its block
+        emits (kind ``"emit"``) and, on engines that stream tokens (vLLM, a remote engine), for
+        the token ids its request samples at each step (kind ``"tokens"``), in the order they
+        happen; on other engines (a LocalEngine) each sequence's tokens come as one event at the
+        end. Like :meth:`stream`: inside ``async with`` it starts the run; after it, it gives
+        the emitted values, then each generated sequence's tokens as one event."""
+        return self._trace._events(self.index)
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else ("done" if self.done else "pending")
@@ -144,6 +153,10 @@ class Trace:
         :meth:`Invoke.stream`)."""
         return self._stream(None)
 
+    def events(self) -> AsyncIterator[StreamEvent]:
+        """Every invoke's :meth:`Invoke.events`, interleaved in the order they happen."""
+        return self._events(None)
+
     async def _stream(self, index: int | None) -> AsyncIterator[Any]:
         live = self._live
         if live is None:
@@ -153,8 +166,37 @@ class Trace:
                         yield v if index is not None else (h, v)
                 return
             live = self._start_live()
-        async for i, v in live.iterate(index):
+        async for i, _, v in live.iterate(index):
             yield v if index is not None else (self._handles[i], v)
+
+    async def _events(self, index: int | None) -> AsyncIterator[StreamEvent]:
+        live = self._live
+        if live is None:
+            if self._ran:  # after the run: its emitted values, then its tokens in one event
+                for h in self._handles if index is None else [self._handles[index]]:
+                    for v in h.emitted:
+                        yield StreamEvent(h, EMIT, v)
+                    for row in [] if h.tokens is None else h.tokens.reshape(-1, h.tokens.shape[-1]):
+                        yield StreamEvent(h, TOKENS, [int(x) for x in row.tolist()])  # per sequence
+                return
+            live = self._start_live()
+        async for i, kind, v in live.iterate(index, tokens=True):
+            yield StreamEvent(self._handles[i], kind, v)
+        if not self.engine.streams_tokens and live.outcome is not None:  # its tokens, at the end
+            for i in range(len(self._handles)) if index is None else [index]:
+                tokens = live.outcome.invokes[i].tokens
+                for row in [] if tokens is None else tokens.reshape(-1, tokens.shape[-1]):
+                    yield StreamEvent(self._handles[i], TOKENS, [int(x) for x in row.tolist()])
+
+    def start(self) -> None:
+        """Start the run now, inside ``async with``, without waiting for it: its streams
+        (:meth:`stream`, :meth:`events`) follow it as they are iterated, and the ``async with``
+        exit waits for its outcome. (Iterating a stream first starts the run the same way.)"""
+        if self._live is not None:
+            return
+        if self._ran:
+            raise AsyncppError("this trace has already run; start a new one")
+        self._start_live()
 
     def _start_live(self) -> Live:
         if not self.engine.supports_streaming:
@@ -167,6 +209,8 @@ class Trace:
         live = Live()
         live.bind_loop()
         self._spec.sink = live.sink
+        if self.engine.streams_tokens:
+            self._spec.token_sink = live.token_sink
         self._ran = True
         self._live = live
 

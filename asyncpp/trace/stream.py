@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..kernel.batching import detach
 from ..kernel.errors import AsyncppError
@@ -34,11 +34,25 @@ def emit(value: Any) -> None:
     kernel.on_emit(block, detach(value))
 
 
+EMIT = "emit"  # a value a block emitted
+TOKENS = "tokens"  # the tokens an invoke's request sampled in one step (a list of ids)
+
+
+class StreamEvent(NamedTuple):
+    """One event of a streamed trace (``t.events()``, ``h.events()``): ``kind`` is ``"emit"`` (a
+    value the invoke's block emitted) or ``"tokens"`` (the token ids its request just sampled)."""
+
+    invoke: Any
+    kind: str
+    value: Any
+
+
 class Live:
-    """A run started by a stream: every emitted value, in order, and the run's end."""
+    """A run started by a stream: every emitted value and sampled token, in order, and the run's
+    end."""
 
     def __init__(self):
-        self.items: list[tuple[int, Any]] = []  # (invoke index, value), append-only
+        self.items: list[tuple[int, str, Any]] = []  # (invoke index, kind, value), append-only
         self.done = False
         self.settled = False  # the trace has taken the outcome (at its async with's exit)
         self.outcome: Any = None
@@ -67,14 +81,20 @@ class Live:
 
     def sink(self, index: int, value: Any) -> None:
         try:
-            self.post(self._add, index, value)
+            self.post(self._add, index, EMIT, value)
         except RuntimeError:  # the caller's loop has closed: nobody is listening
+            pass
+
+    def token_sink(self, index: int, tokens: list[int]) -> None:
+        try:
+            self.post(self._add, index, TOKENS, tokens)
+        except RuntimeError:
             pass
 
     # --- called on the caller's loop -------------------------------------------------------------
 
-    def _add(self, index: int, value: Any) -> None:
-        self.items.append((index, value))
+    def _add(self, index: int, kind: str, value: Any) -> None:
+        self.items.append((index, kind, value))
         self._wake()
 
     def finish(self, outcome: Any, error: BaseException | None) -> None:
@@ -85,15 +105,15 @@ class Live:
         changed, self._changed = self._changed, self._event_type()
         changed.set()
 
-    async def iterate(self, index: int | None) -> AsyncIterator[tuple[int, Any]]:
-        """Every item (of invoke ``index``, or all), from the first, as they come, until the run
-        ends."""
+    async def iterate(self, index: int | None, tokens: bool = False) -> AsyncIterator[tuple[int, str, Any]]:
+        """Every item (of invoke ``index``, or all; emitted values, and with ``tokens`` the
+        sampled tokens too), from the first, as they come, until the run ends."""
         pos = 0
         while True:
             while pos < len(self.items):
                 item = self.items[pos]
                 pos += 1
-                if index is None or item[0] == index:
+                if (index is None or item[0] == index) and (tokens or item[1] is EMIT):
                     yield item
             if self.done:
                 return
@@ -107,4 +127,4 @@ class Live:
         return self.outcome
 
 
-__all__ = ["Live", "emit"]
+__all__ = ["EMIT", "TOKENS", "Live", "StreamEvent", "emit"]

@@ -57,6 +57,7 @@ class VllmEngine(Engine):
     """
 
     supports_streaming = True
+    streams_tokens = True
 
     def __init__(
         self,
@@ -373,26 +374,39 @@ class VllmEngine(Engine):
         receiver = self._receiver
         streams = [receiver.open(rid, spec.sink, i) for i, rid in enumerate(ids)]
         try:
-            return await self._requests(llm, prompts, params, ids, streams)
+            return await self._requests(llm, prompts, params, ids, streams, spec.token_sink)
         finally:
             for rid in ids:
                 receiver.drop(rid)
 
     async def _requests(
-        self, llm: Any, prompts: list, params: list, ids: list[str], streams: list
+        self,
+        llm: Any,
+        prompts: list,
+        params: list,
+        ids: list[str],
+        streams: list,
+        token_sink: Callable[[int, list[int]], None] | None = None,
     ) -> RunOutcome:
         from vllm.inputs import tokens_input
 
-        async def one(prompt: list[int], sp: Any, rid: str) -> Any:
+        async def one(i: int, prompt: list[int], sp: Any, rid: str) -> Any:
             final = None
+            sent = 0
             async for out in llm.generate(tokens_input(prompt), sp, request_id=rid):
                 final = out
+                if token_sink is not None and out.outputs:
+                    ids_now = out.outputs[0].token_ids
+                    if len(ids_now) > sent:
+                        token_sink(i, [int(x) for x in ids_now[sent:]])
+                        sent = len(ids_now)
             return final
 
         try:
             finals = await self._unless_dead(
                 asyncio.gather(
-                    *(one(p, sp, r) for p, sp, r in zip(prompts, params, ids)), return_exceptions=True
+                    *(one(i, p, sp, r) for i, (p, sp, r) in enumerate(zip(prompts, params, ids))),
+                    return_exceptions=True,
                 )
             )
         finally:
