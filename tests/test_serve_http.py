@@ -468,16 +468,72 @@ def _same(a, b):
         assert a == b
 
 
-@pytest.mark.timeout(90)
-def test_concurrent_clients_mixing_good_and_bad_requests(server, tiny):
+def _sse(text):
+    """(event, data) per server-sent event of a whole response body (``data`` as sent)."""
+    out = []
+    for chunk in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in chunk.split("\n"))
+        out.append((fields.get("event", "message"), fields["data"]))
+    return out
+
+
+def _completion(prompt, stream):
+    return {"model": "asyncpp-tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+
+
+def _completion_text(r, stream):
+    assert r.status_code == 200, r.text[:300]
+    if not stream:
+        return r.json()["choices"][0]["text"]
+    events = _sse(r.text)
+    assert events[-1] == ("message", "[DONE]")
+    return "".join(json.loads(d)["choices"][0]["text"] for _, d in events[:-1] if json.loads(d)["choices"])
+
+
+def _streamed_trace(r):
+    """(the emitted values per invoke, each invoke's tokens from its tokens events, the done answer)."""
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text[:300]
+    emitted, tokens, done = {}, {}, None
+    for kind, data in _sse(r.text):
+        d = wire.decode_json(data)
+        if kind == "emit":
+            emitted.setdefault(d["invoke"], []).append(d["value"])
+        elif kind == "tokens":
+            tokens.setdefault(d["invoke"], []).extend(d["tokens"])
+        else:
+            assert kind == "done" and done is None, (kind, d)
+            done = d
+    assert done is not None
+    return emitted, tokens, done
+
+
+@pytest.mark.timeout(120)
+def test_64_concurrent_clients_mixing_completions_traces_streams_and_bad_requests(server, tiny):
+    """64 clients at once: plain and streamed completions, traces, streamed traces and bad
+    requests; every answer equals the same request's answer alone, every refusal is its own."""
     _, tok = tiny
     good = _good_requests(tok)
     alone = [ok(post(server, payload, binary=binary)) for payload, binary in good]
-    n_clients = 48
+    prompts = ["Once upon a time", "The cat sat on the", "Hello world", "A b c"]
+    texts = {
+        (p, st): _completion_text(httpx.post(server.url + "/v1/completions", json=_completion(p, st),
+                                             headers=ROOT_TOKEN, timeout=30), st)
+        for p in prompts for st in (False, True)
+    }  # fmt: skip
+    streamed = {
+        "generate": True, "max_new_tokens": 6, "sampling": {"ignore_eos": True}, "stream": True,
+        "invokes": [{"prompt": "Hello", "block": "lens_stream", "args": {"k": 2}}, {"prompt": "A"}],
+    }  # fmt: skip
+    once = _streamed_trace(httpx.post(server.url + "/v1/trace", content=wire.encode_json(streamed),
+                                      headers={**ROOT_TOKEN, **JSON}, timeout=30))  # fmt: skip
+    assert len(once[0][0]) == 6 and [len(once[1][i]) for i in (0, 1)] == [6, 6]
+    n_clients = 64
 
     async def client(i, http):
-        if i % 3 == 2:  # a third of the clients send something bad
-            body, headers, status = _BAD_REQUESTS[(i // 3) % len(_BAD_REQUESTS)]
+        kind = i % 4
+        if kind == 0:  # a bad request of some kind
+            body, headers, status = _BAD_REQUESTS[(i // 4) % len(_BAD_REQUESTS)]
             r = await http.post("/v1/trace", content=body, headers={**headers, **JSON})
             assert r.status_code == status, r.text[:300]
             if status == 200:
@@ -486,24 +542,39 @@ def test_concurrent_clients_mixing_good_and_bad_requests(server, tiny):
             else:
                 assert set(r.json()["error"]) == {"type", "message"}
             return "bad"
-        k = i % len(good)
-        payload, binary = good[k]
-        body = wire.encode(payload) if binary else wire.encode_json(payload)
-        r = await http.post("/v1/trace", content=body, headers={**ROOT_TOKEN, **(BIN if binary else JSON)})
-        assert r.status_code == 200, r.text[:300]
-        got = wire.decode_body(r.content, r.headers["content-type"])
-        for a, b in zip(got["invokes"], alone[k]["invokes"]):
-            assert a["error"] is None and a["tokens"] == b["tokens"] and a["text"] == b["text"]
-            _same(a["result"], b["result"])
-        return "good"
+        if kind == 1:  # a trace
+            k = (i // 4) % len(good)
+            payload, binary = good[k]
+            body = wire.encode(payload) if binary else wire.encode_json(payload)
+            r = await http.post(
+                "/v1/trace", content=body, headers={**ROOT_TOKEN, **(BIN if binary else JSON)}
+            )
+            assert r.status_code == 200, r.text[:300]
+            got = wire.decode_body(r.content, r.headers["content-type"])
+            for a, b in zip(got["invokes"], alone[k]["invokes"], strict=True):
+                assert a["error"] is None and a["tokens"] == b["tokens"] and a["text"] == b["text"]
+                _same(a["result"], b["result"])
+            return "trace"
+        if kind == 2:  # a completion, plain or streamed
+            p, st = prompts[(i // 4) % len(prompts)], (i // 4) % 2 == 1
+            r = await http.post("/v1/completions", json=_completion(p, st), headers=ROOT_TOKEN)
+            assert _completion_text(r, st) == texts[(p, st)]
+            return "completion"
+        r = await http.post("/v1/trace", content=wire.encode_json(streamed), headers={**ROOT_TOKEN, **JSON})
+        emitted, tokens, done = _streamed_trace(r)
+        _same(emitted, once[0])
+        assert tokens == once[1]
+        _same(done, once[2])
+        return "stream"
 
     async def main():
         limits = httpx.Limits(max_connections=n_clients)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=90, limits=limits) as http:
             return await asyncio.gather(*(client(i, http) for i in range(n_clients)))
 
     kinds = asyncio.run(main())
-    assert kinds.count("good") == 32 and kinds.count("bad") == 16
+    assert sorted(set(kinds)) == ["bad", "completion", "stream", "trace"]
+    assert all(kinds.count(k) == 16 for k in set(kinds))
     s = server.wait_stats(lambda s: s["in_flight"] == 0)
     assert s["in_flight"] == 0
     for w in s["workers"]:
