@@ -302,6 +302,35 @@ def test_streaming_under_trio(engine):
     assert got == [0, 10, 20, 30] == h.emitted
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancelling_a_trace_without_a_stream_aborts_its_requests(engine, tmp_path, backend):
+    import anyio
+
+    path = str(tmp_path / "last-step")
+    n = 400  # 2 s at least: cancelled after step 3
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_after_step_3():
+                while not (os.path.exists(path) and int(pathlib.Path(path).read_text() or 0) >= 3):
+                    await anyio.sleep(0.005)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(cancel_after_step_3)
+            async with asyncpp.generate(engine, max_new_tokens=n, ignore_eos=True) as t:
+                t.invoke("Hello", slow, path)  # the run starts at the exit, which is cancelled
+        assert tg.cancel_scope.cancelled_caught
+
+    anyio.run(main, backend=backend)
+    assert_clean(engine)
+    last = int(pathlib.Path(path).read_text())
+    time.sleep(0.2)
+    assert int(pathlib.Path(path).read_text()) == last  # it stays stopped
+    assert last < n - 1, last  # aborted: it never reached its last step
+
+
 # --- pipeline parallel (one more engine) -------------------------------------------------------------
 
 

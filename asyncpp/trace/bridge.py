@@ -155,7 +155,8 @@ def _unbox(box: list) -> Any:
 
 
 async def await_future(fut: Any) -> Any:
-    """Await a ``concurrent.futures.Future`` (set by another thread) from asyncio, uvloop or trio."""
+    """Await a ``concurrent.futures.Future`` (set by another thread) from asyncio, uvloop or trio;
+    cancelling the awaiting task cancels the future."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -174,5 +175,9 @@ async def await_future(fut: Any) -> Any:
             pass
 
     fut.add_done_callback(wake)
-    await done.wait()
+    try:
+        await done.wait()
+    except BaseException:  # cancelled: the work is given up too (as asyncio.wrap_future does)
+        fut.cancel()
+        raise
     return fut.result()
