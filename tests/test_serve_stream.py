@@ -8,6 +8,8 @@ and a few test-only blocks; its fixture is a copy of the one in tests/test_serve
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -283,3 +285,15 @@ def test_text_deltas_add_up_to_the_text(tiny):
     deltas = _TextDelta(tok)
     text = "".join(deltas.add([x]) for x in ids)  # one token at a time, as a generation samples them
     assert text == tok.decode(ids, skip_special_tokens=True) and "\ufffd" not in text
+
+
+def test_the_client_example_runs_against_the_server(server):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "serve_client.py"), server.url, ROOT_SECRET],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "blocks: steer, read_layer, logit_lens" in out
+    assert out.count("sampled [") == 6 and "step 5: top token per layer" in out
+    assert "block error: None" in out
