@@ -11,6 +11,8 @@ body with tensors is encoded or decoded.
 
 from __future__ import annotations
 
+from .app import ServeLimits, create_app
+from .auth import load_tokens
 from .client import RemoteBlockError, RemoteEngine, RemoteError
 from .registry import (
     BlockArgumentError,
@@ -50,15 +52,18 @@ __all__ = [
     "RemoteBlockError",
     "RemoteEngine",
     "RemoteError",
+    "ServeLimits",
     "Tensor",
     "UnknownBlockError",
     "WireError",
     "WireLimits",
     "block",
+    "create_app",
     "decode",
     "decode_body",
     "decode_json",
     "encode",
     "encode_json",
     "load_module",
+    "load_tokens",
 ]
