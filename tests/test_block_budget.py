@@ -109,3 +109,11 @@ def test_budget_values_are_checked():
     for bad in (0, -1, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="seconds > 0"):
             StepBudget.check(bad)
+
+
+def test_tensor_parallel_engines_refuse_a_budget():
+    pytest.importorskip("vllm")
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        asyncpp.VllmEngine(block_budget=1.0, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="seconds > 0"):
+        asyncpp.VllmEngine(block_budget=-1)

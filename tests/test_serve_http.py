@@ -668,8 +668,9 @@ def test_cli_splits_engine_options():
     assert args.model == "some/model" and args.port == 0 and args.blocks == ["a.py", "b"]
     assert args.max_body_bytes == 10 and args.host == "127.0.0.1" and not args.allow_code
     assert engine == {"dtype": "float32", "tensor_parallel_size": 2, "enforce_eager": True, "seed": -1}
-    args, engine = parse_args(["--model", "m", "--kv-cache-gib", "0.5"])
-    assert args.model == "m" and engine == {"kv_cache_gib": 0.5}
+    assert args.block_budget is None  # the default: 2 s, none on a tensor-parallel engine
+    args, engine = parse_args(["--model", "m", "--kv-cache-gib", "0.5", "--block-budget", "0.5"])
+    assert args.model == "m" and engine == {"kv_cache_gib": 0.5} and args.block_budget == 0.5
 
 
 @pytest.mark.timeout(60)

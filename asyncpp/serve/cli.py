@@ -84,9 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-invokes", type=int, default=None, help="default per-token invokes per request (16)")
     p.add_argument(
-        "--block-budget", type=float, default=DEFAULT_BLOCK_BUDGET, metavar="SECONDS",
+        "--block-budget", type=float, default=None, metavar="SECONDS",
         help=f"seconds a block's code may run per generation step before it is stopped and its request "
-        f"fails (default: {DEFAULT_BLOCK_BUDGET:g}; 0: no budget)",
+        f"fails (default: {DEFAULT_BLOCK_BUDGET:g}, none on tensor-parallel engines; 0: no budget)",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -260,11 +260,17 @@ def serve(argv: Sequence[str]) -> int:
 
     import asyncpp
 
-    if not math.isfinite(args.block_budget) or args.block_budget < 0:
+    budget = args.block_budget
+    if budget is None:
+        budget = DEFAULT_BLOCK_BUDGET
+        if int(engine_options.get("tensor_parallel_size", 1) or 1) > 1:
+            budget = 0
+            _say("warning: no block time budget on a tensor-parallel engine (see docs/serving.md)", err=True)
+    if not math.isfinite(budget) or budget < 0:
         sock.close()
-        _say(f"error: --block-budget must be a number of seconds >= 0, got {args.block_budget}", err=True)
+        _say(f"error: --block-budget must be a number of seconds >= 0, got {budget}", err=True)
         return 2
-    budget = args.block_budget if args.block_budget > 0 else None
+    budget = budget if budget > 0 else None
     try:
         engine = asyncpp.VllmEngine(args.model, block_budget=budget, **engine_options)
     except (TypeError, ValueError) as e:

@@ -51,7 +51,9 @@ class VllmEngine(Engine):
         vLLM's errors only, and one progress line while the engine starts).
     :param block_budget: seconds each block's code may run per generation step; past that it is
         interrupted with a ``BlockTimeoutError`` that fails its own request only (default: no
-        budget). Timing every resume turns the native fast path off on the workers.
+        budget; not with ``tensor_parallel_size > 1``). Timing every resume turns the native fast
+        path off on the workers. Under pipeline parallelism each stage times its own part of a
+        block: a block stopped on one stage fails there, and the others' pulls from it fail too.
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
     """
@@ -83,6 +85,13 @@ class VllmEngine(Engine):
         self.vllm_logs = console.want_logs(vllm_logs)
         if block_budget is not None:
             StepBudget.check(block_budget)
+            if int(vllm_options.get("tensor_parallel_size", 1) or 1) > 1:
+                raise ValueError(
+                    "block_budget is not supported with tensor_parallel_size > 1: every rank runs "
+                    "every block and must make the same decisions, but each rank's clock could stop "
+                    "a block at a different line, and the other ranks would then wait for it in a "
+                    "collective. Leave block_budget unset on tensor-parallel engines"
+                )
         self.block_budget = block_budget
         options = {
             "model": str(model),
