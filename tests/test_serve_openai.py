@@ -177,6 +177,44 @@ def test_block_result_and_steering(server, tiny):
     assert server.wait_idle()["in_flight"] == 0
 
 
+def test_streamed_answers_carry_emitted_values_as_they_come(server):
+    client = server.client()
+    lens = {
+        "asyncpp": {"block": "lens_stream", "args": {"k": 1}},
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    chunks = list(complete(client, n=6, stream=True, extra_body=lens))
+    final = chunks[-1].model_extra["asyncpp"]
+    assert final["error"] is None and final["result"] == 6
+    # before each token chunk, a chunk without choices with the values emitted meanwhile
+    order, live = [], []
+    for c in chunks[:-1]:
+        extra = (c.model_extra or {}).get("asyncpp")
+        if extra is not None:
+            assert c.choices == [] and set(extra) == {"emitted"}
+            live += extra["emitted"]
+            order += [("emit", v["step"], v["logits"][0]) for v in extra["emitted"]]
+        for t in c.choices[0].token_ids or [] if c.choices else []:
+            order.append(("token", sum(e[0] == "token" for e in order), t))
+    assert live == final["emitted"] and [v["step"] for v in live] == list(range(6))
+    # the lens' top-1 of step k (the model's own logits) is the token sampled at step k, and it comes
+    # before it (step k+1's value may come before step k's token: vLLM overlaps the two)
+    tokens = [e[2] for e in order if e[0] == "token"]
+    assert tokens == [v["logits"][0] for v in live]
+    for k in range(6):
+        assert order.index(("emit", k, tokens[k])) < order.index(("token", k, tokens[k])), order
+    # chat, streamed: the same extra chunks
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, stream=True,
+        extra_body={"asyncpp": {"block": "lens_stream", "args": {"k": 1}}},
+    )  # fmt: skip
+    extras = [(c.model_extra or {}).get("asyncpp") for c in stream]
+    got = [v for e in extras if e is not None and "result" not in e for v in e["emitted"]]
+    assert [v["step"] for v in got] == [0, 1, 2]
+    assert server.wait_idle()["in_flight"] == 0
+
+
 def test_block_errors(server):
     client = server.client()
     r = complete(client, n=4, extra_body={"asyncpp": {"block": "boom", "args": {"message": "kaput"}}})

@@ -23,7 +23,9 @@ or bad arguments) and attached to the request's ``SamplingParams.extra_args`` as
 attaches it; when the request ends its outcome is collected from the workers (``asyncpp_collect``)
 and the answer carries ``"asyncpp": {"block", "result", "error", "emitted"}`` (``result`` and each
 value the block emitted in the JSON wire encoding's object form; ``error`` null or ``{type,
-message}``). A streamed answer sends it as one last chunk (with no choices) before ``[DONE]``.
+message}``). A streamed answer sends it as one last chunk (with no choices) before ``[DONE]``, and
+the values the block emits as they come: before each token chunk, a chunk with no choices and
+``"asyncpp": {"emitted": [values emitted since the previous chunk]}``.
 Shipped code is never accepted here, and extra_args keys asyncpp uses are removed from every
 request's ``vllm_xargs``, so a client can never attach anything but a registered block.
 
@@ -80,6 +82,7 @@ class _Attach:
     result: Any = None
     error: BaseException | None = None
     emitted: list = field(default_factory=list)
+    live: list = field(default_factory=list)  # emitted values not yet sent (streamed answers)
 
 
 _ATTACH: contextvars.ContextVar[_Attach | None] = contextvars.ContextVar("asyncpp_attach", default=None)
@@ -139,6 +142,8 @@ class EngineClient:
                 kind, value = await queue.get()
                 if kind == "out":
                     yield value
+                elif kind == "emit":
+                    attach.live.append(value)  # (the streamed answer sends it before the next chunk)
                 elif kind == "error":
                     raise value
                 else:
@@ -152,7 +157,9 @@ class EngineClient:
         """On the engine's loop: run the request; then collect its block's outcome from the
         workers (always, also when it was aborted: the workers then drop its state)."""
         engine, llm = self._engine, self._llm
-        stream = engine._receiver.open(attach.aid, None, 0) if attach is not None else None
+        # each value the block emits reaches the caller's loop before the step's output does
+        sink = (lambda _i, value: push(("emit", value))) if attach is not None else None
+        stream = engine._receiver.open(attach.aid, sink, 0) if attach is not None else None
         finished = False
         try:
             try:
@@ -409,18 +416,28 @@ def add_openai_routes(
         return _SSE(sse(result, attach, chat, req), token.name)
 
     async def sse(gen: Any, attach: _Attach | None, chat: bool, req: Any) -> Any:
+        def extra(field_value: dict[str, Any]) -> str:
+            chunk = {
+                "id": f"asyncpp-{attach.aid}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 0,
+                "model": req.model or model_name,
+                "choices": [],
+                FIELD: field_value,
+            }
+            return f"data: {json.dumps(chunk)}\n\n"
+
         try:
             async for chunk in gen:
+                if attach is not None and attach.live:  # values emitted since the last chunk
+                    values, attach.live = attach.live, []
+                    try:
+                        yield extra({"emitted": _wire_object(values)})
+                    except wire.WireError as e:
+                        err = {"type": "WireError", "message": f"an emitted value cannot be sent: {e}"}
+                        yield extra({"emitted": [], "error": err})
                 if attach is not None and chunk.startswith("data: [DONE]"):
-                    last = {
-                        "id": f"asyncpp-{attach.aid}",
-                        "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": 0,
-                        "model": req.model or model_name,
-                        "choices": [],
-                        FIELD: outcome(attach),
-                    }
-                    yield f"data: {json.dumps(last)}\n\n"
+                    yield extra(outcome(attach))
                 yield chunk
         finally:
             with contextlib.suppress(BaseException):
