@@ -373,6 +373,39 @@ def test_pipeline_parallel_merges_each_value_from_its_stages(two_stages, engine)
     assert_clean(two_stages)
 
 
+async def stall_once(m, seconds):
+    import time
+
+    await m.model.layers[0].output
+    time.sleep(seconds)
+    return "woke"
+
+
+async def last_logits(m):
+    return (await m.logits)[-1].clone()
+
+
+@pytest.mark.timeout(120)
+def test_block_budget_on_pipeline_stages(two_stages):
+    with asyncpp.trace(two_stages) as t:
+        alone = t.invoke("The cat", last_logits)
+    two_stages.set_block_budget(0.5)
+    try:
+        with pytest.raises(asyncpp.BlockTimeoutError, match="'stall_once'.*0.5 s") as err:
+            with asyncpp.generate(two_stages, max_new_tokens=4) as t:
+                stalled = t.invoke("Hello", stall_once, 30)
+                fine = t.invoke("The cat", last_logits)
+        assert "stall_once" in str(err.value) and f"{__file__}:" in str(err.value)
+        assert isinstance(stalled.exception, asyncpp.BlockTimeoutError)
+        torch.testing.assert_close(fine.result, alone.result, rtol=0, atol=1e-4)
+    finally:
+        two_stages.set_block_budget(None)
+    with asyncpp.trace(two_stages) as t:  # no budget again: a short stall is fine
+        h = t.invoke("Hello", stall_once, 0.6)
+    assert h.result == "woke"
+    assert_clean(two_stages)
+
+
 @pytest.mark.timeout(120)
 def test_a_dead_engine_ends_the_stream_with_engine_dead_error(two_stages, tmp_path):
     # (the last test of the module on this engine: it kills worker rank 0)

@@ -83,15 +83,7 @@ class VllmEngine(Engine):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.vllm_logs = console.want_logs(vllm_logs)
-        if block_budget is not None:
-            StepBudget.check(block_budget)
-            if int(vllm_options.get("tensor_parallel_size", 1) or 1) > 1:
-                raise ValueError(
-                    "block_budget is not supported with tensor_parallel_size > 1: every rank runs "
-                    "every block and must make the same decisions, but each rank's clock could stop "
-                    "a block at a different line, and the other ranks would then wait for it in a "
-                    "collective. Leave block_budget unset on tensor-parallel engines"
-                )
+        _check_budget(block_budget, vllm_options)
         self.block_budget = block_budget
         options = {
             "model": str(model),
@@ -302,6 +294,18 @@ class VllmEngine(Engine):
             gc.collect()
             self._stop_loop()
 
+    def set_block_budget(self, seconds: float | None) -> None:
+        """Change the time budget of blocks (see ``block_budget``; ``None``: none) for the runs
+        that start after this."""
+        self._check_open()
+        _check_budget(seconds, self.options)
+
+        async def send() -> Any:
+            return await self._unless_dead(self._llm.collective_rpc("asyncpp_budget", args=(seconds,)))
+
+        self._call(send())
+        self.block_budget = seconds
+
     def worker_stats(self) -> list[dict[str, int]]:
         """Per-request state each worker holds now (requests, blocks, waits...), for leak checks."""
         self._check_open()
@@ -459,6 +463,19 @@ class VllmEngine(Engine):
                 return None, error
         merged = merge([r for r, _ in stages])
         return (None if merged is NOT_HERE else merged), None
+
+
+def _check_budget(seconds: float | None, options: dict[str, Any]) -> None:
+    if seconds is None:
+        return
+    StepBudget.check(seconds)
+    if int(options.get("tensor_parallel_size", 1) or 1) > 1:
+        raise ValueError(
+            "block_budget is not supported with tensor_parallel_size > 1: every rank runs every "
+            "block and must make the same decisions, but each rank's clock could stop a block at a "
+            "different line, and the other ranks would then wait for it in a collective. Leave "
+            "block_budget unset on tensor-parallel engines"
+        )
 
 
 def _import_vllm() -> None:
