@@ -818,3 +818,14 @@ def test_zz_shutdown_finishes_in_flight_requests_and_closes_the_engine(server):
     log = server.log_tail(20000)
     assert rc == 0, log[-3000:]
     assert "asyncpp: stopped" in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_the_embedding_example_serves_a_vllm_engine_inside_a_parent_app():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "embed_in_asgi_app.py"), "--check", "--port", "0"],
+        capture_output=True, text=True, timeout=170, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "GET /hello: {'app': 'mine'" in r.stdout
+    assert "read_layer through the mounted app: shape (128,) tokens [[" in r.stdout
