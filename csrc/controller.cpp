@@ -36,6 +36,8 @@ struct RunSlot {
   PyObject* complete;      // kernel._complete
   PyObject* fail;          // kernel._fail
   PyObject* serve;         // kernel.serve
+  PyObject* budget_enter;  // kernel._budget_enter / _budget_leave: a run whose blocks have a time
+  PyObject* budget_leave;  // budget (kernel.budget not None) times each outermost resume through them
   PyObject* special;       // set of module indices the fast path leaves to the kernel (or nullptr)
   PyObject* visit_out;     // the output of the call being served by the fast path
   Py_ssize_t visit_index;
@@ -57,7 +59,7 @@ struct {
   Py_ssize_t coro, state, rows, step, order, waiting, done;
 } blk_off;
 struct {
-  Py_ssize_t current, position, batch_size;
+  Py_ssize_t current, position, batch_size, budget;
 } ker_off;
 
 inline PyObject* slot_get(PyObject* o, Py_ssize_t off) {
@@ -85,6 +87,8 @@ int slot_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(s->complete);
   Py_VISIT(s->fail);
   Py_VISIT(s->serve);
+  Py_VISIT(s->budget_enter);
+  Py_VISIT(s->budget_leave);
   Py_VISIT(s->visit_out);
   Py_VISIT(s->special);
   return 0;
@@ -101,6 +105,8 @@ void drop_run(RunSlot* s) {
   Py_CLEAR(s->complete);
   Py_CLEAR(s->fail);
   Py_CLEAR(s->serve);
+  Py_CLEAR(s->budget_enter);
+  Py_CLEAR(s->budget_leave);
   Py_CLEAR(s->visit_out);
   Py_CLEAR(s->special);
   s->fast = s->in_visit = 0;
@@ -134,6 +140,7 @@ PyObject* slot_new(PyTypeObject* type, PyObject*, PyObject*) {
   s->visit = nullptr;
   s->visit_output = nullptr;
   s->waits = s->refs_out = s->ready = s->resume = s->complete = s->fail = s->serve = nullptr;
+  s->budget_enter = s->budget_leave = nullptr;
   s->visit_out = nullptr;
   s->special = nullptr;
   s->visit_index = s->visit_n = -1;
@@ -207,11 +214,14 @@ PyObject* slot_activate(PyObject* o, PyObject* kernel) {
   PyObject* complete = PyObject_GetAttrString(kernel, "_complete");
   PyObject* fail = PyObject_GetAttrString(kernel, "_fail");
   PyObject* serve = PyObject_GetAttrString(kernel, "serve");
+  PyObject* budget_enter = PyObject_GetAttrString(kernel, "_budget_enter");
+  PyObject* budget_leave = PyObject_GetAttrString(kernel, "_budget_leave");
   PyObject* intercept = PyObject_GetAttrString(kernel, "intercept");
   PyObject* publish = PyObject_GetAttrString(kernel, "publish");
   PyObject* step = PyObject_GetAttrString(kernel, "step");
   PyObject* special = special_indices(kernel);
-  if (special && waits && refs_out && ready && resume && complete && fail && serve && intercept && publish && step &&
+  if (special && waits && refs_out && ready && resume && complete && fail && serve && budget_enter &&
+      budget_leave && intercept && publish && step &&
       PyDict_CheckExact(waits) && PyList_CheckExact(refs_out) && location_type) {
     s->fast = intercept == Py_None && publish == Py_None;
     s->step = PyLong_AsLong(step);
@@ -224,6 +234,8 @@ PyObject* slot_activate(PyObject* o, PyObject* kernel) {
   Py_XSETREF(s->complete, complete);
   Py_XSETREF(s->fail, fail);
   Py_XSETREF(s->serve, serve);
+  Py_XSETREF(s->budget_enter, budget_enter);
+  Py_XSETREF(s->budget_leave, budget_leave);
   Py_XSETREF(s->special, special);
   Py_XDECREF(intercept);
   Py_XDECREF(publish);
@@ -417,6 +429,15 @@ int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "asyncpp: a block without coroutine or state");
     return -1;
   }
+  // a time budget: the outermost resume is timed, as the kernel's _resume does
+  const bool timed = prev == Py_None && slot_get(kernel, ker_off.budget) != Py_None && s->budget_enter;
+  if (timed) {
+    PyObject* go = PyObject_CallOneArg(s->budget_enter, block);
+    if (!go) return -1;
+    const int closed = go == Py_False;  // it ran out of time before: the kernel closed it
+    Py_DECREF(go);
+    if (closed) return 0;
+  }
   Py_INCREF(coro);
   Py_INCREF(state);
   Py_INCREF(prev);
@@ -486,6 +507,20 @@ int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
       } else {
         PyErr_Restore(et, ev, etb);
       }
+    }
+  }
+  if (timed) {
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject* left = PyObject_CallOneArg(s->budget_leave, block);
+    if (!left) {
+      Py_XDECREF(et);
+      Py_XDECREF(ev);
+      Py_XDECREF(etb);
+      status = -1;
+    } else {
+      Py_DECREF(left);
+      PyErr_Restore(et, ev, etb);
     }
   }
   slot_set(kernel, ker_off.current, prev);
@@ -784,8 +819,9 @@ Py_ssize_t member_offset(PyObject* type, const char* name) {
 PyObject* py_set_types(PyObject*, PyObject* args) {
   PyObject *loc, *blk, *ker;
   if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &ker)) return nullptr;
-  ker_off = {member_offset(ker, "current"), member_offset(ker, "position"), member_offset(ker, "batch_size")};
-  if (ker_off.current < 0 || ker_off.position < 0 || ker_off.batch_size < 0) return nullptr;
+  ker_off = {member_offset(ker, "current"), member_offset(ker, "position"), member_offset(ker, "batch_size"),
+             member_offset(ker, "budget")};
+  if (ker_off.current < 0 || ker_off.position < 0 || ker_off.batch_size < 0 || ker_off.budget < 0) return nullptr;
   Py_ssize_t offs[10] = {member_offset(loc, "key"),   member_offset(loc, "occ"),   member_offset(loc, "keys"),
                         member_offset(blk, "coro"),  member_offset(blk, "state"), member_offset(blk, "rows"),
                         member_offset(blk, "step"),  member_offset(blk, "order"), member_offset(blk, "waiting"),

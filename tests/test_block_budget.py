@@ -31,8 +31,7 @@ def _run(model: nn.Module, blocks: list, seconds: float | None, fast: bool = Tru
     controllers.install(kernel)
     if seconds is not None:
         kernel.budget = StepBudget(seconds)
-        controllers.slot.fast = False
-    elif not fast:
+    if not fast:  # every resume through the kernel's Python code (else plain reads resume natively)
         controllers.slot.fast = False
     try:
         with kernel.active():
@@ -73,10 +72,11 @@ async def busy(m):
         x += 1
 
 
-def test_a_slow_block_fails_alone_at_its_line():
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "kernel"])
+def test_a_slow_block_fails_alone_at_its_line(fast):
     model = _model()
     expect = model(torch.ones(2, 8))[1:]
-    (slow, fine), out = _run(model, [sleeper, reader], 0.2)
+    (slow, fine), out = _run(model, [sleeper, reader], 0.2, fast)
     assert slow[0] is None and isinstance(slow[1], asyncpp.BlockTimeoutError)
     assert "'sleeper'" in str(slow[1]) and "0.2 s" in str(slow[1])
     assert f"{__file__}:" in str(slow[1])  # the line it was interrupted at
@@ -84,22 +84,25 @@ def test_a_slow_block_fails_alone_at_its_line():
     assert torch.equal(out[1:], expect)
 
 
-def test_a_block_that_catches_the_timeout_is_closed_with_it():
-    (caught, fine), _ = _run(_model(), [catcher, reader], 0.2)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "kernel"])
+def test_a_block_that_catches_the_timeout_is_closed_with_it(fast):
+    (caught, fine), _ = _run(_model(), [catcher, reader], 0.2, fast)
     assert isinstance(caught[1], asyncpp.BlockTimeoutError) and caught[0] is None
     assert fine[1] is None
 
 
-def test_python_loops_are_interrupted_too():
-    (looped, fine), _ = _run(_model(), [busy, reader], 0.2)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "kernel"])
+def test_python_loops_are_interrupted_too(fast):
+    (looped, fine), _ = _run(_model(), [busy, reader], 0.2, fast)
     assert isinstance(looped[1], asyncpp.BlockTimeoutError)
     assert fine[1] is None
 
 
-def test_blocks_within_budget_run_as_without_one():
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "kernel"])
+def test_blocks_within_budget_run_as_without_one(fast):
     model = _model()
-    with_budget, out1 = _run(model, [reader, reader], 5.0)
-    without, out2 = _run(model, [reader, reader], None)
+    with_budget, out1 = _run(model, [reader, reader], 5.0, fast)
+    without, out2 = _run(model, [reader, reader], None, fast)
     for (r1, e1), (r2, e2) in zip(with_budget, without, strict=True):
         assert e1 is None and e2 is None and torch.equal(r1, r2)
     assert torch.equal(out1, out2)

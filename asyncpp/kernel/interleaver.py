@@ -380,9 +380,8 @@ class Interleaver:
         fast path in csrc/controller.cpp repeats it for plain reads, and hands anything else here
         as ``msg``, a trap the block has already yielded, with the block's state still ``entered``)."""
         prev = self.current
-        timing = self.budget if prev is None else None  # (the outermost resume is timed)
-        if timing is not None and block.budget_used == math.inf:
-            self._close(block)  # it ran out of time, caught the error and waited again
+        timed = prev is None and self.budget is not None  # (the outermost resume is timed)
+        if timed and not self._budget_enter(block):
             return
         self.current = block
         block.waiting = None
@@ -395,8 +394,6 @@ class Interleaver:
             slot.bypass = True
         coro = block.coro
         run_backward = False
-        if timing is not None:
-            timing.enter(block, self.step)
         try:
             while True:
                 if msg is _NOTHING:
@@ -442,9 +439,8 @@ class Interleaver:
                 if type(value) is _Throw:
                     exc, value = value.exc, None
         finally:
-            if timing is not None and timing.leave() and not block.done:
-                block.budget_used = math.inf
-                block.error = timing.error(block)  # kept when it is closed at its next resume
+            if timed:
+                self._budget_leave(block)
             if slot is not None:
                 slot.bypass = outer_bypass
             if state is not None:
@@ -452,6 +448,20 @@ class Interleaver:
             self.current = prev
             if run_backward:  # with the forward's state back, outside the block's frame
                 self._run_backward(block)
+
+    def _budget_enter(self, block: Block) -> bool:
+        """Start timing an outermost resume of ``block`` (kernel.budget is set); False when the
+        block ran out of time earlier, caught the error and waited again: it is closed instead."""
+        if block.budget_used == math.inf:
+            self._close(block)
+            return False
+        self.budget.enter(block, self.step)
+        return True
+
+    def _budget_leave(self, block: Block) -> None:
+        if self.budget.leave() and not block.done:
+            block.budget_used = math.inf
+            block.error = self.budget.error(block)  # kept when it is closed at its next resume
 
     def wake(self, block: Block, value: Any, gather: _GatherState | None = None, slot: int = 0) -> None:
         """Make a parked block runnable (a slot was set). It runs in the current visit's loop, or

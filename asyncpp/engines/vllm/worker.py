@@ -134,7 +134,6 @@ class WorkerSession:
         self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
-        self._fast = bool(self.controllers.slot.fast)  # whether the native fast path applies
         kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
@@ -244,15 +243,14 @@ class WorkerSession:
 
     def set_budget(self, seconds: float | None) -> None:
         """Time each block's code per step (``kernel.budget``): past ``seconds`` it is interrupted
-        with a BlockTimeoutError that fails its request only. Every resume must then run through
-        the kernel's Python code, so the native single-read fast path is turned off."""
+        with a BlockTimeoutError that fails its request only (the native fast path times its
+        resumes through the kernel too)."""
         kernel = self.kernel
         if kernel.budget is not None:
             kernel.budget.close()
             kernel.budget = None
         if seconds is not None:
             kernel.budget = StepBudget(seconds)
-        self.controllers.slot.fast = kernel.budget is None and self._fast
 
     # --- streamed values ------------------------------------------------------------------------
 
