@@ -328,7 +328,7 @@ class Interleaver:
         # streaming engines: on_emit(block, value) takes what a block passes to asyncpp.emit()
         self.on_emit: Callable[[Block, Any], None] | None = None
         # a StepBudget: each block's code may run so long per step (else BlockTimeoutError); the
-        # engine turns the native fast path off, so every resume is timed here
+        # outermost resumes are timed through _budget_enter/_budget_leave (natively resumed ones too)
         self.budget: Any = None
         if step_index is not None:
             self._ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched

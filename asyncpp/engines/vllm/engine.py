@@ -51,8 +51,8 @@ class VllmEngine(Engine):
         vLLM's errors only, and one progress line while the engine starts).
     :param block_budget: seconds each block's code may run per generation step; past that it is
         interrupted with a ``BlockTimeoutError`` that fails its own request only (default: no
-        budget; not with ``tensor_parallel_size > 1``). Timing every resume turns the native fast
-        path off on the workers. Under pipeline parallelism each stage times its own part of a
+        budget; not with ``tensor_parallel_size > 1``). Each resume of a block is timed (about
+        a microsecond). Under pipeline parallelism each stage times its own part of a
         block: a block stopped on one stage fails there, and the others' pulls from it fail too.
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
