@@ -21,3 +21,19 @@ def steer_hook(vec):
         return out
 
     return hook
+
+
+def assert_values_before_their_tokens(events, steps: int) -> None:
+    """``events``: one invoke's stream as ``(kind, value)``, a value emitted at each step and token
+    events (lists of ids). Step k's value comes before step k's token, and the tokens are ``steps``
+    in all. (A token event may hold several tokens when the reader fell behind, and step k+1's
+    value may come before step k's token: vLLM overlaps a step's output with the next forward.)"""
+    delivered, step = 0, 0
+    for kind, value in events:
+        if kind == "emit":
+            assert delivered <= step, (step, events)  # no token of this step or later has come yet
+            step += 1
+        else:
+            assert kind == "tokens" and value, (kind, value)
+            delivered += len(value)
+    assert step == steps and delivered == steps, (step, delivered, events)
