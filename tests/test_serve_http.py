@@ -766,6 +766,10 @@ def test_remote_engine_generate_and_sync_entry(server, tiny):
             ref = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=256)
         assert h.tokens.tolist() == ref[:, x.shape[1] :].tolist()
     assert [blk["name"] for blk in remote.blocks()][:3] == ["steer", "read_layer", "logit_lens"]
+    # an invoke without a block ships no code: the untrusted token may send it
+    with asyncpp.generate(_remote(server, ALICE), max_new_tokens=5) as t:
+        c = t.invoke(PROMPT)
+    assert c.result is None and c.tokens.tolist() == a.tokens.tolist()
 
 
 def test_remote_engine_raises_errors_as_a_local_engine_would(server):

@@ -171,3 +171,16 @@ def test_stream_without_invokes_is_an_error(engine):
 
     with pytest.raises(asyncpp.AsyncppError, match="no invokes"):
         anyio.run(main)
+
+
+def test_an_invoke_without_a_block_just_runs(engine):
+    with asyncpp.generate(engine, max_new_tokens=3) as t:
+        a = t.invoke("Hello", tokens_block)
+        b = t.invoke("The quick brown")
+    with asyncpp.generate(engine, max_new_tokens=3) as t:
+        alone = t.invoke("The quick brown", tokens_block)
+    assert b.result is None and b.exception is None and b.name == "(no block)"
+    assert b.tokens.tolist() == alone.tokens.tolist() and a.result == a.tokens[0].tolist()
+    with pytest.raises(TypeError, match="needs an `async def` block"):
+        with asyncpp.trace(engine) as t:
+            t.invoke("Hello", None, 3)  # arguments without a block

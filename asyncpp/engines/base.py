@@ -37,6 +37,14 @@ class RunSpec:
     token_sink: Callable[[int, list[int]], None] | None = None
 
 
+async def no_block(m: Any) -> None:
+    """The block of an invoke given none (``t.invoke(prompt)``): its request just runs."""
+    return None
+
+
+no_block.__qualname__ = "(no block)"
+
+
 class Deferred:
     """A value an engine computes only if the user asks for it (an invoke's rows of the output)."""
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..engines.base import no_block
 from ..kernel.errors import AsyncppError, EngineDeadError
 from . import wire
 from .auth import Token, Tokens
@@ -73,11 +74,6 @@ class ServeLimits:
                 raise ValueError(f"ServeLimits.{name} must be an int >= 1, got {value!r}")
         # the decoder's byte limit is the body limit
         object.__setattr__(self, "wire", dataclasses.replace(self.wire, max_bytes=self.max_body_bytes))
-
-
-async def no_block(m: Any) -> None:
-    """The block of an invoke that names none: the request just runs (and generates)."""
-    return None
 
 
 @dataclass

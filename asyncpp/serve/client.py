@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..engines.base import Engine, InvokeOutcome, RunOutcome, RunSpec
+from ..engines.base import Engine, InvokeOutcome, RunOutcome, RunSpec, no_block
 from ..kernel import errors as kernel_errors
 from ..kernel.errors import AsyncppError
 from . import wire
@@ -114,6 +114,8 @@ class RemoteEngine(Engine):
             if isinstance(inv.block, str):
                 entry["block"] = inv.block
                 entry["args"] = _arguments(inv.block, inv.args, inv.kwargs, params)
+            elif inv.block is no_block:
+                entry["block"] = None  # the server runs the prompt with no block
             else:  # the client's own code: only a server that trusts this token runs it
                 from ..engines.vllm.transport import pack_block
 

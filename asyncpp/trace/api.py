@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..engines.base import Deferred, Engine, InvokeSpec, RunOutcome, RunSpec
+from ..engines.base import Deferred, Engine, InvokeSpec, RunOutcome, RunSpec, no_block
 from ..kernel.errors import AsyncppError
 from ..kernel.interleaver import active_interleaver
 from ..locations.validate import check_block_paths
@@ -110,7 +110,9 @@ class Trace:
     ) -> Invoke:
         """Add an invoke: ``block(m, *args, **kwargs)`` runs on ``input``'s rows of the batch.
 
-        ``t.invoke(block, *args)`` (no input) gives a block that sees the whole batch.
+        ``t.invoke(block, *args)`` (no input) gives a block that sees the whole batch;
+        ``t.invoke(input)`` (no block) runs the input with no intervention (its handle has its
+        output and tokens; its result is None).
         """
         if self._ran:
             raise AsyncppError("this trace has already run; start a new one")
@@ -124,6 +126,8 @@ class Trace:
             if block is not None:
                 args = (block, *args)
             input, block = None, input
+        elif block is None and input is not None and not args and not kwargs:
+            block = no_block  # t.invoke(prompt): the prompt runs (and generates) with no block
         if isinstance(block, str):
             raise TypeError(
                 f"invoke() got the block name {block!r}: blocks are named only on an asyncpp server "
