@@ -14,6 +14,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
 
+# the text the throughput benchmarks cut their distinct prompts from
+PROMPT_TEXT = (
+    "It was a bright cold day in April, and the clocks were striking thirteen. The hallway smelt of "
+    "boiled cabbage and old rag mats. At one end of it a coloured poster, too large for indoor "
+    "display, had been tacked to the wall. Outside, even through the shut window-pane, the world "
+    "looked cold. Down in the street little eddies of wind were whirling dust and torn paper into "
+    "spirals, and though the sun was shining and the sky a harsh blue, there seemed to be no colour "
+    "in anything, except the posters that were plastered everywhere."
+)
+
 
 def cpu_model() -> str:
     with contextlib.suppress(OSError):

@@ -151,14 +151,7 @@ LAT_LABEL = {
 
 perf = time.perf_counter
 
-TEXT = (
-    "It was a bright cold day in April, and the clocks were striking thirteen. The hallway smelt of "
-    "boiled cabbage and old rag mats. At one end of it a coloured poster, too large for indoor "
-    "display, had been tacked to the wall. Outside, even through the shut window-pane, the world "
-    "looked cold. Down in the street little eddies of wind were whirling dust and torn paper into "
-    "spirals, and though the sun was shining and the sky a harsh blue, there seemed to be no colour "
-    "in anything, except the posters that were plastered everywhere."
-)
+TEXT = bench_common.PROMPT_TEXT  # prompts are cut from it
 
 
 class BenchError(RuntimeError):

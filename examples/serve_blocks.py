@@ -72,15 +72,22 @@ async def read_layer(m, layer: Layer):
     return residual_stream(await m.model.layers[layer].output)[-1].float()
 
 
-@blocks.block
-async def logit_lens(m, k: Annotated[int, Range(1, 20)] = 1):
-    """Each layer's last-position residual stream decoded with the final norm and the unembedding: the top-k token ids per layer ([layers][k]), and the model's own top-k."""
+async def _lens_tops(m, k):
+    """The logit lens at this step: each layer's last-position residual stream decoded with the
+    final norm and the unembedding, its top-k token ids ([layers][k]). Awaited from a block."""
     norm_w, unembed, eps = _lens_weights()
     tops = []
     for layer in m.model.layers:
         h = residual_stream(await layer.output)[-1].float()
         normed = h * torch.rsqrt(h.pow(2).mean() + eps) * norm_w
         tops.append((unembed @ normed).topk(k).indices.tolist())
+    return tops
+
+
+@blocks.block
+async def logit_lens(m, k: Annotated[int, Range(1, 20)] = 1):
+    """Each layer's last-position residual stream decoded with the final norm and the unembedding: the top-k token ids per layer ([layers][k]), and the model's own top-k."""
+    tops = await _lens_tops(m, k)
     logits = await m.logits
     return {"lens": tops, "logits": logits[-1].float().topk(k).indices.tolist()}
 
@@ -127,14 +134,9 @@ async def lens_stream(m, k: Annotated[int, Range(1, 20)] = 1):
     """A logit lens streamed at every generation step: emits {"step", "lens": the top-k token ids per layer at the last position, "logits": the model's own top-k} as each step is made; returns the number of steps."""
     import asyncpp
 
-    norm_w, unembed, eps = _lens_weights()
     n = 0
     async for _step in m.steps():
-        tops = []
-        for layer in m.model.layers:
-            h = residual_stream(await layer.output)[-1].float()
-            normed = h * torch.rsqrt(h.pow(2).mean() + eps) * norm_w
-            tops.append((unembed @ normed).topk(k).indices.tolist())
+        tops = await _lens_tops(m, k)
         logits = await m.logits
         asyncpp.emit({"step": n, "lens": tops, "logits": logits[-1].float().topk(k).indices.tolist()})
         n += 1

@@ -231,6 +231,16 @@ def test_a_value_that_does_not_pickle_fails_the_block_at_its_emit(engine):
     assert_clean(engine)
 
 
+def assert_aborted(engine, path: str, n: int) -> None:
+    """The requests of ``slow`` blocks (writing their step to ``path``) were aborted: nothing of them
+    is left, the block stays stopped, and it never reached its last step."""
+    assert_clean(engine)
+    last = int(pathlib.Path(path).read_text())
+    time.sleep(0.2)
+    assert int(pathlib.Path(path).read_text()) == last  # it stays stopped
+    assert last < n - 1, last  # aborted: it never reached its last step
+
+
 async def slow(m, path):
     import pathlib
     import time
@@ -270,11 +280,7 @@ def test_cancelling_mid_stream_aborts_the_requests(engine, tmp_path, where):
             await task
 
     asyncio.run(main())
-    assert_clean(engine)
-    last = int(pathlib.Path(path).read_text())
-    time.sleep(0.2)
-    assert int(pathlib.Path(path).read_text()) == last  # it stays stopped
-    assert last < n - 1, last  # aborted: it never reached its last step
+    assert_aborted(engine, path, n)
 
 
 @pytest.mark.timeout(60)
@@ -317,11 +323,7 @@ def test_cancelling_a_trace_without_a_stream_aborts_its_requests(engine, tmp_pat
         assert tg.cancel_scope.cancelled_caught
 
     anyio.run(main, backend=backend)
-    assert_clean(engine)
-    last = int(pathlib.Path(path).read_text())
-    time.sleep(0.2)
-    assert int(pathlib.Path(path).read_text()) == last  # it stays stopped
-    assert last < n - 1, last  # aborted: it never reached its last step
+    assert_aborted(engine, path, n)
 
 
 # --- pipeline parallel (one more engine) -------------------------------------------------------------
