@@ -269,7 +269,6 @@ def test_requests_leave_no_state_on_any_stage(two_stages):
     asyncio.run(many(24))
     keys = (
         "requests",
-        "done",
         "blocks",
         "waits",
         "parked_pulls",

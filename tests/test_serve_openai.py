@@ -40,7 +40,7 @@ class OpenAIServer(Server):
 
     def wait_idle(self, timeout: float = 10.0) -> dict:
         def idle(s: dict) -> bool:
-            return s["in_flight"] == 0 and all(w["requests"] == 0 and w["done"] == 0 for w in s["workers"])
+            return s["in_flight"] == 0 and all(w["requests"] == 0 for w in s["workers"])
 
         return self.wait_stats(idle, timeout)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -335,9 +336,69 @@ def test_hundreds_of_requests_leave_nothing_behind(vllm_engine):
     assert isinstance(results[2], KeyError)
     assert results[3] == [0]
     for stats in vllm_engine.worker_stats():
-        assert stats["requests"] == 0 and stats["done"] == 0
+        assert stats["requests"] == 0
         assert stats["blocks"] == 0 and stats["waits"] == 0 and stats["gates"] == 0
         assert stats["hot_out"] == 0 and stats["hot_in"] == 1  # only the root, which starts steps
+
+
+class _AnyId:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, str) and other.startswith("asyncpp-")
+
+
+ANY_ID = _AnyId()
+
+
+def test_outcomes_come_with_the_requests_end_and_only_abandoned_requests_are_collected(vllm_engine):
+    """A finished request's outcome arrives from the worker with its end (no RPC to the workers
+    between engine steps); a trace whose caller gives up is collected at once, leaving nothing."""
+    llm = vllm_engine._llm
+    calls: list[tuple[str, list]] = []
+    real = llm.collective_rpc
+
+    async def counting(method, *args, **kwargs):
+        calls.append((method, list((kwargs.get("args") or ((),))[0])))
+        return await real(method, *args, **kwargs)
+
+    async def reads(m):
+        return [(await layer.output)[0][-1].sum().item() async for _ in m.steps() for layer in m.model.layers]
+
+    async def fails(m):
+        await m.model.layers[1].output
+        raise ValueError("from the block")
+
+    async def slow(m):
+        async for _ in m.steps():
+            await m.model.layers[0].output
+
+    async def run_all():
+        with pytest.raises(ValueError, match="from the block"):  # (the trace re-raises it at exit)
+            async with asyncpp.generate(vllm_engine, max_new_tokens=3, ignore_eos=True) as t:
+                hs = [t.invoke(PROMPTS[i % len(PROMPTS)], reads) for i in range(6)]
+                bad = t.invoke(PROMPTS[0], fails)
+        assert isinstance(bad.exception, ValueError)
+        return [h.result for h in hs]
+
+    async def give_up():
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                async with asyncpp.generate(vllm_engine, max_new_tokens=400, ignore_eos=True) as t:
+                    t.invoke(PROMPTS[0], slow)
+
+    llm.collective_rpc = counting
+    try:
+        results = asyncio.run(run_all())
+        assert [len(r) for r in results] == [12] * 6
+        assert not [c for c in calls if c[0] == "asyncpp_collect"], calls
+        asyncio.run(give_up())
+        end = time.monotonic() + 10  # (the engine's loop cancels the abandoned run a moment later)
+        while not [c for c in calls if c[0] == "asyncpp_collect"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert [c[1] for c in calls if c[0] == "asyncpp_collect"] == [[ANY_ID]], calls
+    finally:
+        del llm.collective_rpc
+    for stats in vllm_engine.worker_stats():
+        assert stats["requests"] == 0 and stats["blocks"] == 0 and stats["emitting"] == 0
 
 
 def test_logits_kept_across_sampling_are_the_served_ones(vllm_engine):

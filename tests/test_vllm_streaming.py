@@ -35,7 +35,7 @@ def assert_clean(engine, deadline_s: float = 30.0) -> None:
     deadline = time.monotonic() + deadline_s
     while True:
         stats = engine.worker_stats()
-        busy = [s for s in stats if s["requests"] or s["done"] or s["blocks"] or s["emitting"]]
+        busy = [s for s in stats if s["requests"] or s["blocks"] or s["emitting"]]
         if not busy and not engine._receiver.streams:
             break
         assert time.monotonic() < deadline, (stats, list(engine._receiver.streams))

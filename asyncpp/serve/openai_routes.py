@@ -20,8 +20,8 @@ in its own thread pool).
 ``openai`` client sends it with ``extra_body``; the arguments are wire-JSON values, tensors as
 ``{"__tensor__": {...}}``). The block is bound with the server's registry (422 for an unknown block
 or bad arguments) and attached to the request's ``SamplingParams.extra_args`` as ``VllmEngine``
-attaches it; when the request ends its outcome is collected from the workers (``asyncpp_collect``)
-and the answer carries ``"asyncpp": {"block", "result", "error", "emitted"}`` (``result`` and each
+attaches it; when the request ends its outcome comes from the workers with the request's end and
+the answer carries ``"asyncpp": {"block", "result", "error", "emitted"}`` (``result`` and each
 value the block emitted in the JSON wire encoding's object form; ``error`` null or ``{type,
 message}``). A streamed answer sends it as one last chunk (with no choices) before ``[DONE]``, and
 the values the block emits as they come: before each token chunk, a chunk with no choices and
@@ -154,8 +154,9 @@ class EngineClient:
     async def _drive(
         self, prompt: Any, sp: Any, rid: str, kwargs: dict, attach: _Attach | None, push: Any
     ) -> None:
-        """On the engine's loop: run the request; then collect its block's outcome from the
-        workers (always, also when it was aborted: the workers then drop its state)."""
+        """On the engine's loop: run the request; then take its block's outcome from its end on
+        the stream channel (a request that did not run to its end is collected from the workers
+        at once, so that they drop its state)."""
         engine, llm = self._engine, self._llm
         # each value the block emits reaches the caller's loop before the step's output does
         sink = (lambda _i, value: push(("emit", value))) if attach is not None else None
@@ -167,16 +168,12 @@ class EngineClient:
                     push(("out", out))
                 finished = True
             finally:
-                if attach is not None and engine._dead is None:
-                    collect = engine._unless_dead(llm.collective_rpc("asyncpp_collect", args=([attach.aid],)))
-                    per_rank = await asyncio.shield(asyncio.ensure_future(collect))
-                    if finished:  # the workers sent the request's end of values before answering
-                        await engine._unless_dead(engine._receiver.ended([stream]))
-                    result, error = engine._outcome([ranks[0] for ranks in per_rank])
-                    if error is None and stream.error is not None:
-                        error = stream.error
-                    attach.result, attach.error, attach.emitted = result, error, list(stream.values)
-                    attach.done = True
+                if attach is not None and not finished:
+                    await engine.collect_early([attach.aid])
+            if attach is not None:
+                ((result, error),) = await engine.settle([stream])
+                attach.result, attach.error, attach.emitted = result, error, list(stream.values)
+                attach.done = True
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
                 push(("error", e))

@@ -3,7 +3,7 @@
 The engine owns an ``AsyncLLM`` on a private event loop in a background thread, so it serves sync
 scripts and async applications (asyncio, uvloop, trio) alike, and many traces at once: each invoke
 becomes a vLLM request carrying its block, and vLLM batches all of them continuously. When a
-request's last output arrives, its block's outcome is collected from the workers. Values blocks
+request has ended, its block's outcome arrives from the workers with the request's end. Values blocks
 stream (``asyncpp.emit``) come over a channel of their own as they are made (``stream.py``).
 """
 
@@ -425,25 +425,23 @@ class VllmEngine(Engine):
                     return_exceptions=True,
                 )
             )
-        finally:
-            # always collect, also when the caller gave up: the workers then drop every trace
-            if self._dead is None:
-                collect = self._unless_dead(llm.collective_rpc("asyncpp_collect", args=(ids,)))
-                per_rank = await asyncio.shield(asyncio.ensure_future(collect))
+        except BaseException:
+            await self.collect_early(ids)  # the caller gave up: the workers drop the requests
+            raise
+        lost = [rid for rid, final in zip(ids, finals) if isinstance(final, BaseException)]
+        if lost and not any(_is_engine_dead(f) for f in finals):
+            await self.collect_early(lost)
         if self._dead is not None:  # it died as the requests ended: their blocks' outcomes are lost
             raise self._dead_error()
         for final in finals:
             if _is_engine_dead(final):
                 raise await self._vllm_died(final)
-        # the workers sent each request's end after its values, before answering the collection
-        await self._unless_dead(self._receiver.ended(streams))
+        outcomes = await self.settle(streams)
         outcome = RunOutcome([])
         for i, final in enumerate(finals):
             o = InvokeOutcome()
-            o.result, o.error = self._outcome([ranks[i] for ranks in per_rank])
+            o.result, o.error = outcomes[i]
             o.emitted = streams[i].values
-            if o.error is None and streams[i].error is not None:
-                o.error = streams[i].error
             if isinstance(final, BaseException):
                 o.error = final  # vLLM refused or lost the request: its own error says why
             elif final is not None:
@@ -453,14 +451,37 @@ class VllmEngine(Engine):
         outcome.output = [o.output for o in outcome.invokes]
         return outcome
 
-    def _outcome(self, packed: list[bytes]) -> tuple[Any, BaseException | None]:
-        """One request's outcome from every rank's: rank 0's, or on a pipeline-parallel engine the
-        stages' results merged (TP rank 0 of each stage); the first stage's error wins."""
-        pp = int(self.options.get("pipeline_parallel_size", 1) or 1)
-        if pp == 1:
+    async def settle(self, streams: list[Any]) -> list[tuple[Any, BaseException | None]]:
+        """On the engine's loop: each request's (result, error), once the workers have sent its
+        end (which carries its block's outcome; the end of a request comes the engine step after its
+        last output, without a round trip to the workers between steps)."""
+        await self._unless_dead(self._receiver.ended(streams))
+        out = []
+        for stream in streams:
+            result, error = self._outcome(stream.outcomes)
+            if error is None and stream.error is not None:
+                error = stream.error
+            out.append((result, error))
+        return out
+
+    async def collect_early(self, ids: list[str]) -> None:
+        """Finish requests that will not run to their end now (their caller gave up, or vLLM
+        refused or failed them): the workers drop their state and send their ends. Shielded: it
+        runs to its end also when the caller is cancelled."""
+        if self._dead is not None:
+            return
+        waiting = [rid for rid in ids if not self._receiver.has_ended(rid)]
+        if not waiting:
+            return
+        collect = self._unless_dead(self._llm.collective_rpc("asyncpp_collect", args=(waiting,)))
+        await asyncio.shield(asyncio.ensure_future(collect))
+
+    def _outcome(self, packed: list[bytes | None]) -> tuple[Any, BaseException | None]:
+        """One request's outcome from every pipeline stage's (sent by TP rank 0 of each): the one
+        stage's, or the stages' results merged; the first stage's error wins."""
+        if len(packed) == 1:
             return unpack_outcome(packed[0])
-        tp = int(self.options.get("tensor_parallel_size", 1) or 1)
-        stages = [unpack_outcome(packed[s * tp]) for s in range(pp)]
+        stages = [unpack_outcome(p) for p in packed]
         for _result, error in stages:
             if error is not None:
                 return None, error

@@ -13,12 +13,14 @@ for the request's outcome to be collected.
   what it holds: a value is first converted as a result is (remote values this stage does not own
   become ``NOT_HERE``), and the driver merges the stages' n-th values of a request with the same
   rules as results (:func:`asyncpp.pp.merge.merge`) once every stage has sent its n-th.
-* **Messages.** Two frames: a text header ``kind|stage|n|request id`` and, for a value, the value
-  pickled with cloudpickle (this channel is internal to the engine's own processes). ``v``: the
-  n-th value of a request; ``e``: the request is over on that stage, after n values. A worker
-  sends ``e`` when it finishes the request's block (at collection, or when vLLM reports the
-  request finished) and when the driver collects a request it never saw. One socket is FIFO, so
-  once every sender's ``e`` has arrived, all of the request's values have.
+* **Messages.** Two frames: a text header ``kind|stage|n|request id`` and a payload. ``v``: the
+  n-th value of a request, pickled with cloudpickle (this channel is internal to the engine's own
+  processes). ``e``: the request is over on that stage, after n values; its payload is the
+  stage's packed outcome of the request's block (``transport.pack_outcome``). A worker sends ``e``
+  when it finishes the request's block (when vLLM reports the request finished, or when the driver
+  collects a request early) and when the driver collects a request it does not hold. One socket is
+  FIFO, so once every sender's ``e`` has arrived, all of the request's values have, and the
+  request's outcome is known without asking the workers: no round trip between engine steps.
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ class Sender:
             self._sock.send_multipart([_header(VALUE, self.stage, n, aid), payload], copy=False)
             self.sent += 1
 
-    def end(self, aid: str, count: int) -> None:
+    def end(self, aid: str, count: int, outcome: bytes) -> None:
+        """The request is over here after ``count`` values; ``outcome`` is its packed outcome."""
         if self._sock is not None:
-            self._sock.send_multipart([_header(END, self.stage, count, aid), b""])
+            self._sock.send_multipart([_header(END, self.stage, count, aid), outcome], copy=False)
             self.sent += 1
 
 
@@ -100,7 +103,7 @@ class Sender:
 class Stream:
     """What the driver holds of one request's values until its outcome is settled."""
 
-    __slots__ = ("sink", "index", "values", "parts", "next", "got", "ends", "done", "error")
+    __slots__ = ("sink", "index", "values", "parts", "next", "got", "outcomes", "ends", "done", "error")
 
     def __init__(self, sink: Callable[[int, Any], None] | None, index: int, stages: int, done: Any):
         self.sink = sink
@@ -109,6 +112,7 @@ class Stream:
         self.parts: dict[int, list] = {}  # pipeline parallel: n -> each stage's n-th value
         self.next = 0  # pipeline parallel: the next n to merge and deliver
         self.got = [0] * stages  # values received per stage
+        self.outcomes: list[bytes | None] = [None] * stages  # each stage's packed outcome, at its end
         self.ends = 0  # stages that have said the request is over
         self.done = done  # an asyncio future: every stage's end has arrived
         self.error: BaseException | None = None  # a value that could not be received
@@ -145,10 +149,16 @@ class Receiver:
         if stream is not None and not stream.done.done():
             stream.done.cancel()
 
+    def has_ended(self, aid: str) -> bool:
+        """Whether every stage's end of this (open) request has arrived."""
+        stream = self.streams.get(aid)
+        return stream is not None and stream.ends >= self.stages
+
     async def ended(self, streams: list[Stream], patience: float = 30.0) -> None:
-        """Wait until every stage's end of these requests has arrived (right after collection:
-        the workers sent them before answering it). Values still coming in count as progress;
-        ``patience`` seconds without any is an error, not a hang."""
+        """Wait until every stage's end of these requests has arrived (the workers send it the
+        engine step after the request's last output, or when the driver collects it). Messages
+        still coming in count as progress; ``patience`` seconds without any is an error, not a
+        hang."""
         pending = [s.done for s in streams if not s.done.done()]
         while pending:
             before = self.received
@@ -156,8 +166,8 @@ class Receiver:
             pending = list(still)
             if pending and self.received == before:
                 raise RuntimeError(
-                    f"asyncpp: the end of {len(pending)} request(s)' streamed values did not arrive from "
-                    f"vLLM's workers within {patience:.0f} s of their collection"
+                    f"asyncpp: the end of {len(pending)} request(s) did not arrive from vLLM's workers "
+                    f"within {patience:.0f} s of their last output"
                 )
 
     async def _read(self) -> None:
@@ -175,6 +185,9 @@ class Receiver:
         if stream is None:  # a request whose caller has gone (cancelled, dropped): nobody listens
             return
         if kind == END:
+            if stream.outcomes[stage] is not None:  # a second end (collected as it finished)
+                return
+            stream.outcomes[stage] = payload
             if stream.got[stage] != n and stream.error is None:
                 stream.error = RemoteBlockError(
                     f"pipeline stage {stage} sent {n} streamed values of this request, the caller "

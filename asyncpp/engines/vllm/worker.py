@@ -9,8 +9,10 @@ for good, and one long-lived interleaver serves all requests:
 * it is **stepped** by the controllers during each forward, seeing its own token rows of model
   modules and its own row of ``logits`` and ``samples``; each forward its request takes part in is
   one generation step of its own;
-* it is **finished** when the driver collects its result after the request's last output (or when
-  the request is reported finished), and every trace of it is dropped.
+* it is **finished** when vLLM reports the request finished (the step after its last output, or
+  its abort), and every trace of it is dropped; its packed outcome goes to the driver on the
+  stream channel with the request's end. Only a request whose caller gave up or that vLLM failed
+  is finished early, by the driver's ``asyncpp_collect``.
 
 What a block streams (``asyncpp.emit``) is sent to the driver at once, from inside the forward, by
 tensor-parallel rank 0 of each stage (see ``stream.py``).
@@ -65,8 +67,9 @@ class AsyncppWorker(CPUWorker):
         named by the type of the module they stand for)."""
         return self.asyncpp.tree_entries(local)
 
-    def asyncpp_collect(self, ids: list[str]) -> list[bytes]:
-        """Finish these requests' blocks and return their packed outcomes (and forget them)."""
+    def asyncpp_collect(self, ids: list[str]) -> int:
+        """Finish these requests' blocks now (their outcomes go on the stream channel) and forget
+        them: for requests that will not run to their end (their caller gave up, vLLM failed them)."""
         return self.asyncpp.collect(ids)
 
     def asyncpp_stats(self) -> dict[str, int]:
@@ -130,7 +133,6 @@ class WorkerSession:
             log.info(ownership.describe(pipeline.stage))
         self.requests: dict[str, _Request] = {}  # vLLM request id -> request with a block
         self.by_aid: dict[str, str] = {}  # caller id -> vLLM request id
-        self.done: dict[str, bytes] = {}  # caller id -> outcome of a request vLLM reported finished
         self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
@@ -185,7 +187,7 @@ class WorkerSession:
         for rid in sorted(so.finished_req_ids):  # a set: the same order on every rank
             req = self.requests.get(rid)
             if req is not None:
-                self.done[req.aid] = self._finish(rid)
+                self._finish(rid)
         if self.stage is not None:
             self.stage.serve()  # a serve point: the previous round has been sent on
 
@@ -275,14 +277,17 @@ class WorkerSession:
 
     # --- the end of a request -------------------------------------------------------------------
 
-    def _finish(self, rid: str) -> bytes:
-        """Run the request's block to its end, pack its outcome, drop all state of the request;
-        then tell the driver that the request's streamed values are all sent."""
+    def _finish(self, rid: str) -> None:
+        """Run the request's block to its end, drop all state of the request, and send the driver
+        the request's end: its packed outcome, after all its streamed values."""
         req = self.requests[rid]
+        packed = None
         try:
-            return self._finish_block(rid)
+            packed = self._finish_block(rid)
         finally:
-            self.sender.end(req.aid, req.emitted)
+            if packed is None:  # (only an error of asyncpp's own gets here)
+                packed = pack_outcome(None, RuntimeError("asyncpp could not finish this request's block"))
+            self.sender.end(req.aid, req.emitted, packed)
 
     def _finish_block(self, rid: str) -> bytes:
         req = self.requests.pop(rid)
@@ -323,25 +328,25 @@ class WorkerSession:
         stage.service.release(req.num)
         return pack_outcome(result, error)
 
-    def collect(self, ids: list[str]) -> list[bytes]:
-        out = []
+    def collect(self, ids: list[str]) -> int:
+        """Finish these requests now; how many were still here. A request this worker does not
+        hold (vLLM refused it, or it has just finished) still gets an end, so that the driver
+        waits for nothing (the driver ignores a second end)."""
+        held = 0
         for aid in ids:
-            packed = self.done.pop(aid, None)
-            if packed is None:
-                rid = self.by_aid.get(aid)
-                if rid is None:
-                    packed = pack_outcome(None, RuntimeError(f"no block of request {aid!r} on this worker"))
-                    self.sender.end(aid, 0)  # (a request this worker never saw: vLLM refused it)
-                else:
-                    packed = self._finish(rid)
-            out.append(packed)
-        return out
+            rid = self.by_aid.get(aid)
+            if rid is None:
+                gone = RuntimeError(f"no block of request {aid!r} on this worker")
+                self.sender.end(aid, 0, pack_outcome(None, gone))
+            else:
+                self._finish(rid)
+                held += 1
+        return held
 
     def stats(self) -> dict[str, int]:
         k = self.kernel
         return {
             "requests": len(self.requests),
-            "done": len(self.done),
             "blocks": len(k.blocks),
             "waits": sum(len(v) for v in k.waits.values()),
             "gates": len(k._gates),
