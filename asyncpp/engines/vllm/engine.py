@@ -347,6 +347,7 @@ class VllmEngine(Engine):
 
     async def _run(self, spec: RunSpec) -> RunOutcome:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         invokes = spec.invokes
         prompts = []
@@ -370,6 +371,11 @@ class VllmEngine(Engine):
         nums = [next(self._ids) for _ in invokes]
         ids = [f"asyncpp-{n}-{uuid.uuid4().hex[:8]}" for n in nums]
         options = {"temperature": 0.0, **spec.model_kwargs}
+        if "output_kind" not in options:
+            # a run that streams no tokens needs only each request's final output (as vLLM's own
+            # server asks for a request that does not stream): no RequestOutput per step
+            kind = RequestOutputKind.FINAL_ONLY if spec.token_sink is None else RequestOutputKind.CUMULATIVE
+            options["output_kind"] = kind
         # made fresh per request: vLLM need not deep-copy them, as its own OpenAI server's are not
         # (about 20 us per request here)
         options.setdefault("skip_clone", True)
