@@ -554,6 +554,20 @@ def test_vllm_logs_opt_in_environment(monkeypatch):
         assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
 
 
+def test_thread_binding_is_vllms_default_for_one_worker_and_nobind_for_several(monkeypatch):
+    from asyncpp.engines.vllm import console
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with console.starting_env(False, workers=1):
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # vLLM's auto: a core for its engine core
+    with console.starting_env(False, workers=2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # the user's own binding wins
+    with console.starting_env(False, workers=2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
 @pytest.mark.timeout(60)
 def test_stderr_filter_drops_only_the_known_lines_of_child_processes(capfd):
     import subprocess

@@ -40,9 +40,16 @@ def want_logs(option: bool | None) -> bool:
     return os.environ.get(LOGS_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def child_env(logs: bool) -> dict[str, str]:
-    """The environment variables set while the engine starts (vLLM's processes inherit them)."""
+def child_env(logs: bool, workers: int = 1) -> dict[str, str]:
+    """The environment variables set while the engine starts (vLLM's processes inherit them).
+
+    With several workers, vLLM's default thread binding (``auto``: each worker's OpenMP threads
+    on cores of one NUMA node, after reserving one core per worker for the engine core process)
+    asserts a NUMA node per worker, which a one-node machine does not have: those engines run
+    with ``nobind``. A one-worker engine keeps vLLM's default."""
     env = {LOGS_ENV: "1" if logs else "0"}  # the engine's choice, read by asyncpp's worker
+    if workers > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if logs:
         return env
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -52,13 +59,13 @@ def child_env(logs: bool) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def starting_env(logs: bool) -> Iterator[dict[str, str]]:
+def starting_env(logs: bool, workers: int = 1) -> Iterator[dict[str, str]]:
     """Set :func:`child_env` in ``os.environ`` while the engine starts, then restore it.
 
     A variable the user has set is kept (``PYTHONWARNINGS`` gets asyncpp's entries appended, so
     the user's own filters still apply), except ``ASYNCPP_VLLM_LOGS``, which carries the engine's
     choice to its workers."""
-    env = child_env(logs)
+    env = child_env(logs, workers)
     saved = {k: os.environ.get(k) for k in env}
     for key, value in env.items():
         old = saved[key]

@@ -79,7 +79,6 @@ class VllmEngine(Engine):
             # a float32 checkpoint: vLLM's "auto" would run it in bfloat16, whose CPU kernels need
             # instructions not every machine has (a worker died of SIGILL on one here)
             vllm_options.setdefault("dtype", "float32")
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.vllm_logs = console.want_logs(vllm_logs)
@@ -116,7 +115,7 @@ class VllmEngine(Engine):
         quiet = None if self.vllm_logs else console.StderrFilter()
         try:
             with (
-                console.starting_env(self.vllm_logs),
+                console.starting_env(self.vllm_logs, _workers(options)),
                 quiet.redirect() if quiet else contextlib.nullcontext(),
             ):
                 self._llm, entries, procs = self._call(self._start())
@@ -493,6 +492,11 @@ class VllmEngine(Engine):
                 return None, error
         merged = merge([r for r, _ in stages])
         return (None if merged is NOT_HERE else merged), None
+
+
+def _workers(options: dict[str, Any]) -> int:
+    tp = int(options.get("tensor_parallel_size", 1) or 1)
+    return tp * int(options.get("pipeline_parallel_size", 1) or 1)
 
 
 def _check_budget(seconds: float | None, options: dict[str, Any]) -> None:
