@@ -15,8 +15,21 @@ blocks = Registry()
 
 @blocks.block
 async def read_every_layer(m):
-    """At every generation step, every decoder layer's output: the mean over steps of the
-    last position's residual-stream norm, per layer ([layers] floats)."""
+    """At every generation step, every decoder layer's output (the request's own rows, as vLLM's
+    ``(mlp_out, residual)``): how many rows of each layer the block was served ([layers] ints).
+    What asyncpp costs a block that reads every layer, with next to no work of the block's own."""
+    rows = None
+    async for _step in m.steps():
+        seen = [(await layer.output)[0].shape[0] for layer in m.model.layers]
+        rows = seen if rows is None else [a + b for a, b in zip(rows, seen, strict=True)]
+    return rows or []
+
+
+@blocks.block
+async def read_every_layer_norms(m):
+    """At every generation step, every decoder layer's output: the mean over steps of the last
+    position's residual-stream norm, per layer ([layers] floats). The same reads as
+    ``read_every_layer`` plus three small torch ops of the block's own per read."""
     sums = None
     steps = 0
     async for _step in m.steps():

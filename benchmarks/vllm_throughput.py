@@ -12,7 +12,7 @@ mode, prefix caching and chunked prefill off) serves every variant, on the same 
   (``async for step in m.steps(): for layer in m.model.layers: await layer.output``);
 * **(c) empty**: the same traces with a block that awaits nothing (``return None``): what is left is
   the per-request cost (the block pickled into the request, started in the worker, its outcome
-  collected with one ``collective_rpc`` after the request's last output).
+  sent back with the request's end, the engine step after its last output).
 
 Throughput: a batch of B concurrent requests (prompts of mixed lengths, 8-64 tokens, spread evenly;
 ``max_new_tokens`` 64) is submitted at once from the caller's event loop, and timed from the
@@ -24,15 +24,17 @@ distribution-free 95% interval, and a verdict is *inconclusive* when that interv
 target.
 
 Time to first token: for (a) the time from submission to the first streamed output. A trace's
-first token is not streamed (its result arrives when the block is collected), so for traces TTFT
+first token is not streamed (its result arrives with the request's end), so for traces TTFT
 is the wall time of a ``max_new_tokens=1`` trace, set against the wall time of a ``max_tokens=1``
 plain request (both measured from the caller's loop). Measured for single requests (B = 1, the
 engine otherwise idle) and for every request of a batch of B submitted at once (median over the
 batch's requests).
 
-Collect overhead: every ``asyncpp_collect`` RPC the traces make is timed (a wrapper on the
-engine's ``AsyncLLM.collective_rpc``, in this process), and an RPC collecting nothing
-(``ids=[]``) on the idle engine gives the bare round trip through the engine core to the worker.
+The end of a trace: the wait from its requests' last outputs to their outcomes (the workers send
+each request's end, with its block's outcome, the engine step after its last output) is timed
+around the engine's ``settle``, in this process; an ``asyncpp_collect`` RPC of no ids on the idle
+engine gives, for comparison, the round trip through the engine core to the worker that a
+trace would cost if it asked the workers for its outcomes.
 
 Worker CPU (unless ``--no-worker-timing``): a timer sent into the worker with
 ``collective_rpc`` (a callable, which vLLM accepts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
@@ -248,38 +250,34 @@ class Runner:
         self.llm = engine._llm
         self._params = vllm.SamplingParams
         self._tokens_input = tokens_input
-        self.collects: list[float] = []  # s, every asyncpp_collect RPC while recording
+        self.ends: list[float] = []  # s, every trace's wait for its outcomes while recording
         self.recording = False
-        self._orig_rpc = None
 
-    # the collect RPCs, timed in this process (the engine calls llm.collective_rpc on its loop)
+    # the end of each trace, timed in this process (the engine awaits settle on its loop)
 
-    def install_rpc_timer(self) -> None:
-        llm, orig = self.llm, self.llm.collective_rpc
-        self._orig_rpc = orig
+    def install_end_timer(self) -> None:
+        engine, orig = self.engine, self.engine.settle
 
-        async def timed(method, *args, **kwargs):
+        async def timed(streams):
             t0 = perf()
             try:
-                return await orig(method, *args, **kwargs)
+                return await orig(streams)
             finally:
-                if method == "asyncpp_collect" and self.recording:
-                    self.collects.append(perf() - t0)
+                if self.recording:
+                    self.ends.append(perf() - t0)
 
-        llm.collective_rpc = timed
+        engine.settle = timed
 
-    def remove_rpc_timer(self) -> None:
-        if self._orig_rpc is not None:
-            with contextlib.suppress(AttributeError):
-                del self.llm.collective_rpc
-            self._orig_rpc = None
+    def remove_end_timer(self) -> None:
+        with contextlib.suppress(AttributeError):
+            del self.engine.settle
 
     async def bare_collect_rpc(self) -> float:
         """One ``asyncpp_collect`` of no ids: the round trip through engine core and worker."""
 
         async def rpc() -> float:
             t0 = perf()
-            await (self._orig_rpc or self.llm.collective_rpc)("asyncpp_collect", args=([],))
+            await self.llm.collective_rpc("asyncpp_collect", args=([],))
             return perf() - t0
 
         return await self._on_engine(rpc())
@@ -288,7 +286,7 @@ class Runner:
         """Run ``fn(worker, *args)`` in the (first) worker; its result."""
 
         async def rpc() -> Any:
-            return (await (self._orig_rpc or self.llm.collective_rpc)(fn, args=args))[0]
+            return (await self.llm.collective_rpc(fn, args=args))[0]
 
         return await self._on_engine(rpc())
 
@@ -393,7 +391,7 @@ class Results:
     plain_firsts: dict[int, list[float]] = field(default_factory=dict)  # B -> s, every request
     ttft: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (variant, B) -> s
     ttft_first: dict[int, list[float]] = field(default_factory=dict)  # B -> plain first output, s
-    collects: dict[str, list[float]] = field(default_factory=dict)  # phase -> s
+    ends: dict[str, list[float]] = field(default_factory=dict)  # phase -> s per trace
     bare_rpc: list[float] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     plain_stable: bool = True
@@ -421,7 +419,7 @@ async def measure(engine: Any, args: argparse.Namespace) -> Results:
     single = make_prompts(engine.tokenizer, 1, args.seed)[0]
     singles = [single[i:] + single[:i] for i in range(args.ttft_rounds)]  # B=1: rotations of one prompt
     r = Runner(engine)
-    r.install_rpc_timer()
+    r.install_end_timer()
     workers = args.worker_timing
 
     async def run(v: str, ps: list[list[int]], tokens: int) -> Batch:
@@ -475,7 +473,7 @@ async def measure(engine: Any, args: argparse.Namespace) -> Results:
                 if reference.setdefault(b, plain.tokens) != plain.tokens:
                     res.plain_stable = False
         r.recording = False
-        res.collects["throughput"] = r.collects[:]
+        res.ends["throughput"] = r.ends[:]
         res.seconds["throughput"] = perf() - t0
 
         # TTFT: single requests (B = 1, the engine otherwise idle), then every request of a batch
@@ -485,12 +483,12 @@ async def measure(engine: Any, args: argparse.Namespace) -> Results:
             order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
             got = {}
             for v in order:
-                r.collects.clear()
+                r.ends.clear()
                 r.recording = v != "plain"
                 batch = await run(v, p, 1)
                 r.recording = False
                 res.ttft.setdefault((v, 1), []).append(batch.ends[0])
-                res.collects.setdefault("single", []).extend(r.collects)
+                res.ends.setdefault("single", []).extend(r.ends)
                 got[v] = batch
             res.ttft_first.setdefault(1, []).append(got["plain"].firsts[0])
             for v in ("reads", "empty"):
@@ -514,7 +512,7 @@ async def measure(engine: Any, args: argparse.Namespace) -> Results:
             await profile(r, res, prompts[max(args.sizes)], n, args.profile_rounds)
             res.seconds["profile"] = perf() - t0
     finally:
-        r.remove_rpc_timer()
+        r.remove_end_timer()
         if workers:
             with contextlib.suppress(Exception):
                 await r.worker_rpc(_worker_set_narrow, False)
@@ -714,8 +712,7 @@ def report(res: Results) -> tuple[str, str]:
             share = tot["plain"] / median(res.walls[("plain", b)])
             rows.append(
                 [
-                    f"B={b}, worker CPU per batch (all steps and collects): (a) / (b) / (c); "
-                    f"((c) - (a)) / B per request",
+                    f"B={b}, worker CPU per batch (all steps): (a) / (b) / (c); ((c) - (a)) / B per request",
                     f"{tot['plain'] * 1e3:.0f} / {tot['reads'] * 1e3:.0f} / {tot['empty'] * 1e3:.0f} ms; "
                     f"{(tot['empty'] - tot['plain']) / b * 1e3:+.2f} ms/request ((a): worker busy {share:.0%} of "
                     f"the batch wall)",
@@ -727,7 +724,7 @@ def report(res: Results) -> tuple[str, str]:
             one = {v: median(batch.total() for batch in res.worker[(v, 1, 1)]) for v in VARIANTS}
             rows.append(
                 [
-                    "B=1, worker CPU of a 1-token request (all steps and the collect): (a) / (b) / (c)",
+                    "B=1, worker CPU of a 1-token request (all steps): (a) / (b) / (c)",
                     f"{ms(one['plain'])} / {ms(one['reads'])} ({(one['reads'] - one['plain']) * 1e3:+.2f} ms) / "
                     f"{ms(one['empty'])} ({(one['empty'] - one['plain']) * 1e3:+.2f} ms)",
                     "-",
@@ -763,30 +760,32 @@ def report(res: Results) -> tuple[str, str]:
                 "info",
             ]
         )
-    # collects
+    # the end of a trace
     rows.append(
         [
-            "collect: a bare `asyncpp_collect` RPC (no ids, idle engine), round trip",
+            "end: a bare `asyncpp_collect` RPC (no ids, idle engine), round trip (what asking the "
+            "workers for the outcomes would cost)",
             ms(median(res.bare_rpc)),
             "-",
             "info",
         ]
     )
-    single = res.collects.get("single", [])
+    single = res.ends.get("single", [])
     if single:
         rows.append(
             [
-                "collect: per trace of one 1-token request (idle engine), as the trace awaits it",
+                "end: per trace of one 1-token request (idle engine), from its last output to its outcome",
                 ms(median(single)),
                 "-",
                 "info",
             ]
         )
-    thr = res.collects.get("throughput", [])
+    thr = res.ends.get("throughput", [])
     if thr:
         rows.append(
             [
-                f"collect: per trace in the B={'/'.join(map(str, res.sizes))} batches, median (p90), as the trace awaits it",
+                f"end: per trace in the B={'/'.join(map(str, res.sizes))} batches, median (p90), from the "
+                f"last output to the outcomes",
                 f"{ms(median(thr))} ({ms(pct(thr, 0.9))})",
                 "-",
                 "info",
@@ -799,7 +798,7 @@ def report(res: Results) -> tuple[str, str]:
         if cs:
             rows.append(
                 [
-                    "collect: worker CPU per `asyncpp_collect` call, median",
+                    "collect: worker CPU per `asyncpp_collect` call (requests given up), median",
                     f"{median(cs) * 1e6:.0f} us",
                     "-",
                     "info",
@@ -904,7 +903,8 @@ def render(
             "\n\nWorker CPU: a timer sent to the worker with `collective_rpc` (hence\n"
             "`VLLM_ALLOW_INSECURE_SERIALIZATION=1` for this run) records the worker thread's CPU time\n"
             "(`time.thread_time`, so CPU taken by other processes does not count) of every engine step\n"
-            "(`execute_model` + `sample_tokens`) and of every `asyncpp_collect`, per timed batch."
+            "(`execute_model` + `sample_tokens`) and of every `asyncpp_collect` (none unless a\n"
+            "request is given up), per timed batch."
         )
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
         if cores < 4:
@@ -946,9 +946,10 @@ its last result (generated tokens / wall seconds). Variants alternate in rotated
 {rounds} after a warm-up; ratios are taken round by round, median over rounds
 with a distribution-free 95% interval (a verdict is *inconclusive* when it straddles the target).
 TTFT: (a) the first streamed output; a trace's first token is not streamed, so traces are timed as
-the wall time of a `max_new_tokens=1` trace against a `max_tokens=1` plain request. Collect: each
-`asyncpp_collect` RPC a trace makes, timed around `AsyncLLM.collective_rpc` in the caller's
-process.{worker}
+the wall time of a `max_new_tokens=1` trace against a `max_tokens=1` plain request. End: each
+trace's wait from its requests' last outputs to their outcomes (which the workers send with each
+request's end, the engine step after its last output), timed around the engine's `settle` in the
+caller's process.{worker}
 
 Command: `{command_line()}` ({date}; {secs})
 
