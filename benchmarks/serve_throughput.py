@@ -835,8 +835,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--budget",
         type=float,
-        default=300.0,
-        help=f"no new throughput round after this many seconds, once {MIN_ROUNDS} are done (default 300)",
+        default=420.0,
+        help=f"no new throughput round after this many seconds, once {MIN_ROUNDS} are done (default 420)",
     )
     ap.add_argument("--latency-rounds", type=int, default=8, help="one-token latency rounds (default 8)")
     ap.add_argument(
