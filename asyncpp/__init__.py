@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from .engines.base import Engine
+from .engines.inputs import InputError
 from .engines.local import LocalEngine
-from .engines.local.inputs import InputError
 from .kernel.errors import (
     AsyncppError,
     BlockTimeoutError,
@@ -33,10 +33,10 @@ from .kernel.grad import backward
 from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location
+from .native import TLSBuildError
 from .pp.merge import NOT_HERE, RankDivergenceWarning
 from .pp.remote import RemoteValueError, pull
 from .pp.transport import PullError, PullTimeout
-from .tls import TLSBuildError
 from .trace.api import Invoke, Trace, generate, trace
 from .trace.stream import StreamEvent, emit
 

@@ -46,7 +46,7 @@ def build():
 
 def plain_grad(model, tok, prompts, use_backward):
     rows = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    from asyncpp.engines.local.inputs import lm_batch, position_ids
+    from asyncpp.engines.inputs import lm_batch, position_ids
 
     batch = lm_batch(rows, 256)
     if len(rows) > 1:

@@ -333,7 +333,7 @@ def machine_info() -> dict[str, str]:
 
 def tls_state() -> str:
     try:
-        from asyncpp import tls
+        from asyncpp.native import tls
     except ImportError:
         return "n/a (this asyncpp has none)"
     on = tls.enabled()

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import asyncpp
-from asyncpp.engines.local.controllers import Controllers
 from asyncpp.kernel.budget import StepBudget
 from asyncpp.kernel.interleaver import Interleaver
 from asyncpp.locations.tree import build_tree
+from asyncpp.native.controllers import Controllers
 
 
 def _model() -> nn.Module:

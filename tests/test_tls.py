@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import asyncpp
 from asyncpp.kernel.interleaver import Interleaver
-from asyncpp.tls import load
+from asyncpp.native.tls import load
 
 
 def torch_state() -> dict:
@@ -326,7 +326,7 @@ def test_failed_build_raises_a_clear_error_at_run_start(tmp_path):
 
 def test_second_load_does_not_rebuild():
     res = _run_script(
-        "import time; t = time.perf_counter(); from asyncpp.tls import load; m = load(); print(m.__file__)",
+        "import time; t = time.perf_counter(); from asyncpp.native.tls import load; m = load(); print(m.__file__)",
         {"ASYNCPP_BUILD_VERBOSE": "1"},
     )
     assert res.returncode == 0, res.stderr
@@ -452,3 +452,18 @@ def test_state_made_on_a_thread_that_ended_works_on_a_new_thread():
     t.join()
     assert seen["start"] is False and seen["after leave"] is False
     assert seen["entered again"] is True and seen["end"] is False
+
+
+def test_asyncpp_tls_is_a_deprecated_alias_of_native_tls():
+    import importlib
+    import sys
+
+    from asyncpp.native import tls
+
+    with pytest.warns(DeprecationWarning, match="asyncpp.native.tls"):
+        if "asyncpp.tls" in sys.modules:
+            importlib.reload(sys.modules["asyncpp.tls"])
+        else:
+            importlib.import_module("asyncpp.tls")
+    old = sys.modules["asyncpp.tls"]
+    assert old.get_switch is tls.get_switch and old.TLSBuildError is tls.TLSBuildError

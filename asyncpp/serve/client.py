@@ -403,7 +403,7 @@ def _status_error(status: int, type_name: str, message: str) -> BaseException:
 
         return BlockArgumentError(message)
     if status == 400 and type_name == "InputError":
-        from ..engines.local.inputs import InputError
+        from ..engines.inputs import InputError
 
         return InputError(message)
     if status == 503 and type_name == "EngineDeadError":

@@ -1,1 +1,1 @@
-"""The user-facing trace API and the bridge to the caller's event loop."""
+"""The user-facing trace API."""

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import tls
 from ...kernel.batching import narrow
 from ...kernel.errors import AsyncppError
 from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree
-from ...trace.bridge import ModelThread, run_on_thread
+from ...native import tls
+from ...native.controllers import Controllers
 from ..base import Deferred, Engine, InvokeOutcome, RunOutcome, RunSpec
-from .controllers import Controllers
-from .inputs import InputError, check_prompts, lm_batch, position_ids, tensor_batch, token_rows
+from ..bridge import ModelThread, run_on_thread
+from ..inputs import InputError, check_prompts, lm_batch, position_ids, tensor_batch, token_rows
 
 _UNSET = object()
 

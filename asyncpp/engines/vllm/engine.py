@@ -28,9 +28,9 @@ from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError, EngineDeadError
 from ...locations.tree import tree_from_paths
 from ...pp.merge import NOT_HERE, merge
-from ...trace.bridge import await_future
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
-from ..local.inputs import InputError, token_rows
+from ..bridge import await_future
+from ..inputs import InputError, token_rows
 from . import console
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 from .stream import Receiver

@@ -27,15 +27,15 @@ from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from ... import tls
 from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError
 from ...kernel.interleaver import Block, Interleaver
 from ...locations.tree import build_tree, tree_from_paths
+from ...native import tls
+from ...native.controllers import Controllers
 from ...pp.ownership import Ownership, report
 from ...pp.stage import StageSession
 from ...pp.transport import PullService
-from ..local.controllers import Controllers
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 from .stream import Sender

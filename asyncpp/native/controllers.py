@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from ...native import enabled, load
+from . import enabled, load
 
 
 class PyRunSlot:

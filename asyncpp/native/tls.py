@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..native import ENV_SWITCH, TLSBuildError, enabled, load
+from . import ENV_SWITCH, TLSBuildError, enabled, load
 
 
 def get_switch() -> Any | None:

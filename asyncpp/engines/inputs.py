@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...kernel.errors import AsyncppError
+from ..kernel.errors import AsyncppError
 
 
 class InputError(AsyncppError, ValueError):
