@@ -94,8 +94,8 @@ class EngineClient:
 
     def __init__(self, engine: Any):
         self._engine = engine
-        self._llm = engine._llm
-        self._loop = engine._loop
+        self._llm = engine.async_llm
+        self._loop = engine.loop
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._llm, name)
@@ -160,7 +160,7 @@ class EngineClient:
         engine, llm = self._engine, self._llm
         # each value the block emits reaches the caller's loop before the step's output does
         sink = (lambda _i, value: push(("emit", value))) if attach is not None else None
-        stream = engine._receiver.open(attach.aid, sink, 0) if attach is not None else None
+        stream = engine.open_stream(attach.aid, sink) if attach is not None else None
         finished = False
         try:
             try:
@@ -180,7 +180,7 @@ class EngineClient:
             raise
         finally:
             if attach is not None:
-                engine._receiver.drop(attach.aid)
+                engine.drop_stream(attach.aid)
             push(("end", None))
 
 
@@ -222,7 +222,7 @@ def add_openai_routes(
         """vLLM's serving objects, made at the first request (they need the engine's AsyncLLM)."""
         if state:
             return state
-        if getattr(engine, "_llm", None) is None or getattr(engine, "_loop", None) is None:
+        if getattr(engine, "async_llm", None) is None or getattr(engine, "loop", None) is None:
             raise Refusal(501, "NotImplemented", "OpenAI-compatible routes need a VllmEngine")
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -328,7 +328,7 @@ def add_openai_routes(
                 raise Refusal(422, kind, str(e)) from None
             from ..engines.vllm.transport import pack_block
 
-            num = next(engine._ids)
+            num = engine.new_request_number()
             attach = _Attach(
                 name=spec["block"],
                 payload=pack_block(bound.block, (), bound.kwargs),

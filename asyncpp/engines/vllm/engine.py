@@ -265,6 +265,32 @@ class VllmEngine(Engine):
         fut.add_done_callback(done)
         return fut.cancel
 
+    # --- for code that serves the engine's requests itself (asyncpp.serve's OpenAI routes) ------
+
+    @property
+    def async_llm(self) -> Any:
+        """vLLM's ``AsyncLLM`` this engine runs; it lives on :attr:`loop` (call its coroutines
+        there). ``None`` once the engine is closed."""
+        return self._llm
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The engine's own event loop (in a thread of its own), where its ``AsyncLLM`` runs."""
+        return self._loop
+
+    def new_request_number(self) -> int:
+        """A number for a new request, unique in this engine (pipeline stages key buffers by it)."""
+        return next(self._ids)
+
+    def open_stream(self, aid: str, sink: Callable[[int, Any], None] | None) -> Any:
+        """On the engine's loop: follow request ``aid``'s streamed values (``sink(0, value)`` as
+        each arrives) and its end; :meth:`settle` waits for it, :meth:`drop_stream` forgets it."""
+        return self._receiver.open(aid, sink, 0)
+
+    def drop_stream(self, aid: str) -> None:
+        """On the engine's loop: forget request ``aid``'s stream."""
+        self._receiver.drop(aid)
+
     @property
     def dead(self) -> bool:
         """Whether one of vLLM's processes has died: every trace then fails at once."""
