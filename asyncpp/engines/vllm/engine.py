@@ -142,7 +142,7 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._died = asyncio.get_running_loop().create_future()
-        self._receiver = Receiver(int(self.options.get("pipeline_parallel_size", 1) or 1))
+        self._receiver = Receiver(_size(self.options, "pipeline_parallel_size"))
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.options))
         except BaseException:
@@ -162,8 +162,7 @@ class VllmEngine(Engine):
 
     def _procs(self, llm: Any, pids: list[int]) -> list[Proc]:
         """vLLM's processes: every worker (named by rank) and the engine core."""
-        pp = int(self.options.get("pipeline_parallel_size", 1) or 1)
-        tp = int(self.options.get("tensor_parallel_size", 1) or 1)
+        pp, tp = _size(self.options, "pipeline_parallel_size"), _size(self.options, "tensor_parallel_size")
         procs = []
         for rank, pid in enumerate(pids):
             where = f", pipeline stage {rank // tp}, tensor-parallel rank {rank % tp}" if pp * tp > 1 else ""
@@ -520,16 +519,20 @@ class VllmEngine(Engine):
         return (None if merged is NOT_HERE else merged), None
 
 
+def _size(options: dict[str, Any], key: str) -> int:
+    """``tensor_parallel_size`` or ``pipeline_parallel_size`` of these engine options."""
+    return int(options.get(key, 1) or 1)
+
+
 def _workers(options: dict[str, Any]) -> int:
-    tp = int(options.get("tensor_parallel_size", 1) or 1)
-    return tp * int(options.get("pipeline_parallel_size", 1) or 1)
+    return _size(options, "tensor_parallel_size") * _size(options, "pipeline_parallel_size")
 
 
 def _check_budget(seconds: float | None, options: dict[str, Any]) -> None:
     if seconds is None:
         return
     StepBudget.check(seconds)
-    if int(options.get("tensor_parallel_size", 1) or 1) > 1:
+    if _size(options, "tensor_parallel_size") > 1:
         raise ValueError(
             "block_budget is not supported with tensor_parallel_size > 1: every rank runs every "
             "block and must make the same decisions, but each rank's clock could stop a block at a "

@@ -103,7 +103,7 @@ class Sender:
 class Stream:
     """What the driver holds of one request's values until its outcome is settled."""
 
-    __slots__ = ("sink", "index", "values", "parts", "next", "got", "outcomes", "ends", "done", "error")
+    __slots__ = ("sink", "index", "values", "parts", "next", "got", "outcomes", "done", "error")
 
     def __init__(self, sink: Callable[[int, Any], None] | None, index: int, stages: int, done: Any):
         self.sink = sink
@@ -113,9 +113,13 @@ class Stream:
         self.next = 0  # pipeline parallel: the next n to merge and deliver
         self.got = [0] * stages  # values received per stage
         self.outcomes: list[bytes | None] = [None] * stages  # each stage's packed outcome, at its end
-        self.ends = 0  # stages that have said the request is over
         self.done = done  # an asyncio future: every stage's end has arrived
         self.error: BaseException | None = None  # a value that could not be received
+
+    @property
+    def ended(self) -> bool:
+        """Every stage has said the request is over (and sent its outcome)."""
+        return None not in self.outcomes
 
 
 class Receiver:
@@ -152,7 +156,7 @@ class Receiver:
     def has_ended(self, aid: str) -> bool:
         """Whether every stage's end of this (open) request has arrived."""
         stream = self.streams.get(aid)
-        return stream is not None and stream.ends >= self.stages
+        return stream is not None and stream.ended
 
     async def ended(self, streams: list[Stream], patience: float = 30.0) -> None:
         """Wait until every stage's end of these requests has arrived (the workers send it the
@@ -193,8 +197,7 @@ class Receiver:
                     f"pipeline stage {stage} sent {n} streamed values of this request, the caller "
                     f"received {stream.got[stage]}"
                 )
-            stream.ends += 1
-            if stream.ends == self.stages:
+            if stream.ended:
                 self._flush(stream, last=True)
                 if not stream.done.done():
                     stream.done.set_result(None)

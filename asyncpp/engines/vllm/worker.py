@@ -67,10 +67,10 @@ class AsyncppWorker(CPUWorker):
         named by the type of the module they stand for)."""
         return self.asyncpp.tree_entries(local)
 
-    def asyncpp_collect(self, ids: list[str]) -> int:
+    def asyncpp_collect(self, ids: list[str]) -> None:
         """Finish these requests' blocks now (their outcomes go on the stream channel) and forget
         them: for requests that will not run to their end (their caller gave up, vLLM failed them)."""
-        return self.asyncpp.collect(ids)
+        self.asyncpp.collect(ids)
 
     def asyncpp_stats(self) -> dict[str, int]:
         """How much per-request state this worker holds (for leak checks)."""
@@ -328,11 +328,10 @@ class WorkerSession:
         stage.service.release(req.num)
         return pack_outcome(result, error)
 
-    def collect(self, ids: list[str]) -> int:
-        """Finish these requests now; how many were still here. A request this worker does not
-        hold (vLLM refused it, or it has just finished) still gets an end, so that the driver
-        waits for nothing (the driver ignores a second end)."""
-        held = 0
+    def collect(self, ids: list[str]) -> None:
+        """Finish these requests now. A request this worker does not hold (vLLM refused it, or it
+        has just finished) still gets an end, so that the driver waits for nothing (the driver
+        ignores a second end)."""
         for aid in ids:
             rid = self.by_aid.get(aid)
             if rid is None:
@@ -340,8 +339,6 @@ class WorkerSession:
                 self.sender.end(aid, 0, pack_outcome(None, gone))
             else:
                 self._finish(rid)
-                held += 1
-        return held
 
     def stats(self) -> dict[str, int]:
         k = self.kernel
