@@ -35,8 +35,8 @@ from .kernel.traps import Gather
 from .locations.location import Location
 from .native import TLSBuildError
 from .pp.merge import NOT_HERE, RankDivergenceWarning
+from .pp.pulls import PullError, PullTimeout
 from .pp.remote import RemoteValueError, pull
-from .pp.transport import PullError, PullTimeout
 from .trace.api import Invoke, Trace, generate, trace
 from .trace.stream import StreamEvent, emit
 

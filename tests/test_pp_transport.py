@@ -1,9 +1,11 @@
-"""The cross-stage pull transport on real spawned gloo ranks (no mocks).
+"""The cross-stage pull service (asyncpp.pp.pulls) on real spawned gloo ranks (no mocks).
 
 Each test spawns 2 or 3 processes that join a gloo group through a file rendezvous and run one scenario
 with a PullService each; a "fake model reached this location" is a direct publish().  Children report
 plain Python data through a Queue; the parent asserts.  Every run has a hard timeout that kills hung
-children, so a deadlock fails fast instead of hanging the suite.
+children, so a deadlock fails fast instead of hanging the suite.  What only these tests do to a
+service (read its buffer, clear a request, a blocking drain) is in pull_helpers.  The wire format
+alone is tested in one process by test_pull_format.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pull_helpers as ph
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncpp.pp.transport import PullError, PullService, PullTimeout
+from asyncpp.pp.pulls import PullError, PullService, PullTimeout
 
 HARD_TIMEOUT_S = 60.0
-HDR = 96  # bytes of one protocol header (12 int64 words)
+HDR = 96  # bytes of one protocol header (12 int64 words): the wire format must not change
 
 Scenario = Callable[[PullService, int, int], dict[str, Any]]
 
@@ -182,16 +186,16 @@ def _scenario_roundtrip(svc: PullService, rank: int, world: int) -> dict[str, An
     # --- a run with no pulls: values published and drained, nothing pulled -> zero pull bytes
     svc.publish(1, 1, 0, torch.ones(8))
     svc.publish(1, 2, 0, (torch.ones(2), torch.zeros(3)))
-    svc.drain(1)
+    ph.drain(svc, 1)
     out["quiet_stats"] = dict(svc.stats)
-    out["quiet_has_after_drain"] = svc.has(1, 1, 0)
+    out["quiet_has_after_drain"] = ph.has(svc, 1, 1, 0)
 
     # --- values published before the pull arrives
     values = _values()
     if rank == 0:
         for key, value in values.items():
             svc.publish(2, key, 0, value)
-        svc.publish(2, 1, 1, torch.full((2,), 7.0))  # same key, other tag
+        svc.publish(2, 1, 1, torch.full((2,), 7.0))  # same key, other visit
         mutated = torch.arange(5.0)
         svc.publish(2, 13, 0, mutated)
         mutated.add_(100)  # the owner keeps a private copy: pulls must not see this
@@ -205,7 +209,7 @@ def _scenario_roundtrip(svc: PullService, rank: int, world: int) -> dict[str, An
         out["described"] = {key: _describe(got[key]) for key in values}
         out["contiguous"] = got[7].is_contiguous()
         out["int64_values"] = got[3].tolist()
-        out["other_tag"] = svc.pull(0, 2, 1, 1, where="model.layers.1.output").tolist()
+        out["other_visit"] = svc.pull(0, 2, 1, 1, where="model.layers.1.output").tolist()
         out["private_copy"] = svc.pull(0, 2, 13, 0, where="x").tolist()
         n_pulls = len(values) + 2
         stats1 = dict(svc.stats)
@@ -218,14 +222,14 @@ def _scenario_roundtrip(svc: PullService, rank: int, world: int) -> dict[str, An
     if rank == 0:
         pulled = svc.pull(1, 2, 20, 0, where="model.layers.20.output")
         out["from_1"] = (str(pulled.dtype), pulled.tolist())
-        out["has"] = svc.has(2, 1, 0)
-        out["has_missing"] = svc.has(2, 99, 0)
-        first = svc.local(2, 5, 0)
-        first[0].add_(1)  # local() hands out a copy too
-        out["local_same"] = _same(svc.local(2, 5, 0), values[5])
+        out["has"] = ph.has(svc, 2, 1, 0)
+        out["has_missing"] = ph.has(svc, 2, 99, 0)
+        first = ph.local(svc, 2, 5, 0)
+        first[0].add_(1)  # local reads hand out a copy too
+        out["local_same"] = _same(ph.local(svc, 2, 5, 0), values[5])
         out["self_pull_same"] = _same(svc.pull(0, 2, 2, 0, where="self"), values[2])
-    svc.drain(2)
-    out["has_after_drain"] = svc.has(2, 1, 0)
+    ph.drain(svc, 2)
+    out["has_after_drain"] = ph.has(svc, 2, 1, 0)
     dist.barrier()
     out["stats"] = dict(svc.stats)
     return out
@@ -258,7 +262,7 @@ def test_roundtrip_values_dtypes_containers_and_counters(tmp_path: Path) -> None
     assert r1["described"][11] == ("torch.float32", [])
     assert r1["contiguous"] is True
     assert r1["int64_values"] == [(1 << 40) + i for i in range(7)]
-    assert r1["other_tag"] == [7.0, 7.0]
+    assert r1["other_visit"] == [7.0, 7.0]
     assert r1["private_copy"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert r0["from_1"] == ("torch.bool", [[True, False]])
     assert r0["has"] is True and r0["has_missing"] is False
@@ -317,7 +321,7 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         svc.publish(req, 4, 0, (torch.ones(2), torch.ones(2, dtype=torch.int64), torch.zeros(1)))
         svc.publish(req, 5, 0, (torch.ones(2), None))
         svc.publish(req, 6, 0, [torch.ones(1), [torch.ones(1), "text"]])
-        out["local_mixed"] = _catch(lambda: svc.local(req, 4, 0))
+        out["local_mixed"] = _catch(lambda: ph.local(svc, req, 4, 0))
         # an owner pulling from itself waits for its own publish (another thread reaches it)
         _later(0.3, lambda: svc.publish(req, 7, 0, torch.tensor([1.5])), at, "pub7")
         out["self_wait"] = (svc.pull(0, req, 7, 0, where="self").tolist(), time.monotonic())
@@ -329,9 +333,9 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         svc.publish(req, 9, 0, torch.ones(3))  # nobody waits for it any more: nothing is sent
         time.sleep(0.3)
         out["sent_after_cancel"] = svc.stats["served"] + svc.stats["served_errors"] - served
-        # clear() answers a pull waiting for a value of the request with an error
+        # clearing answers a pull waiting for a value of the request with an error
         dist.barrier()  # 3
-        _later(0.4, lambda: svc.clear(6), at, "clear6")
+        _later(0.4, lambda: ph.clear(svc, 6), at, "clear6")
         dist.barrier()  # 4: stage 1 saw it
         dist.barrier()  # 5: stage 1 has a pull waiting here that nobody will answer; close answers it
     else:
@@ -433,9 +437,9 @@ def _scenario_drain_and_concurrency(svc: PullService, rank: int, world: int) -> 
         if rank == 2 and req == 102:
             time.sleep(1.0)
         out["drain_called"][req] = time.monotonic()
-        svc.drain(req)
+        ph.drain(svc, req)
         out["drain_returned"][req] = time.monotonic()
-        out["has_after"].append(svc.has(req, rank, 0))
+        out["has_after"].append(ph.has(svc, req, rank, 0))
 
     # concurrent pulls: stage 0 pulls from two threads at once (from both owners, same keys too) while
     # stages 1 and 2 pull from each other and from stage 0 -- many requesters, outstanding at once
@@ -480,7 +484,7 @@ def _scenario_drain_and_concurrency(svc: PullService, rank: int, world: int) -> 
     out["concurrent"] = results
     out["concurrent_errors"] = errors
     out["pulls_expected"] = 5 * (world - 1) + sum(len(p) for p in plans.values())
-    svc.drain(req)
+    ph.drain(svc, req)
     dist.barrier()
     out["stats"] = dict(svc.stats)
     return out
@@ -505,3 +509,22 @@ def test_drain_three_ranks_and_concurrent_pulls(tmp_path: Path) -> None:
     assert sum(s["bytes_out"] for s in stats) == sum(s["bytes_in"] for s in stats) > 0
     # 6 drains and a goodbye: each rank told each of its 2 peers
     assert all(s["ctrl_bytes_out"] == s["ctrl_bytes_in"] == 7 * 2 * HDR for s in stats)
+
+
+# ---------------------------------------------------------------------------------------------- renamed modules
+
+
+def test_vllm_transport_is_a_deprecated_alias_of_packing() -> None:
+    import importlib
+    import sys
+
+    from asyncpp.engines.vllm import packing
+
+    with pytest.warns(DeprecationWarning, match=r"asyncpp\.engines\.vllm\.packing"):
+        if "asyncpp.engines.vllm.transport" in sys.modules:
+            importlib.reload(sys.modules["asyncpp.engines.vllm.transport"])
+        else:
+            importlib.import_module("asyncpp.engines.vllm.transport")
+    old = sys.modules["asyncpp.engines.vllm.transport"]
+    for name in ("RemoteBlockError", "pack_block", "pack_outcome", "unpack_block", "unpack_outcome"):
+        assert getattr(old, name) is getattr(packing, name), name

@@ -243,7 +243,7 @@ def _big_json_tensor():
 
 
 def _code(block, *args, **kwargs) -> str:
-    from asyncpp.engines.vllm.transport import pack_block
+    from asyncpp.engines.vllm.packing import pack_block
 
     return base64.b64encode(pack_block(block, args, kwargs)).decode("ascii")
 

@@ -207,14 +207,14 @@ _METADATA = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", 
 class RemoteValue(LazyValue):
     """The value of a location owned by another stage, for one request and round."""
 
-    __slots__ = ("owner", "req", "key", "tag", "round", "where")
+    __slots__ = ("owner", "req", "key", "visit", "round", "where")
 
-    def __init__(self, owner: int, req: int, key: int, tag: int, round: int, where: str):
+    def __init__(self, owner: int, req: int, key: int, visit: int, round: int, where: str):
         self._value = _UNSET
         self.owner = owner  # the stage that owns the location
         self.req = req  # the request's number (the same on every rank)
         self.key = key  # the location's wait key (index * 4 + kind)
-        self.tag = tag  # occurrence tag: the request's round and the call number
+        self.visit = visit  # the request's round and the call number (stage.visit_of)
         self.round = round  # the request's round the value belongs to
         self.where = where  # e.g. "model.layers.3.output"
 

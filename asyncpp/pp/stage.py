@@ -25,11 +25,12 @@ from ..kernel.traps import KIND_NAMES, WRITE
 from .ownership import LOCAL, Ownership
 from .remote import _UNSET, Lazy, LazyValue, RemoteValue, Resolver, set_resolver
 
-TAG_CALLS = 4096  # occurrence tag = round * TAG_CALLS + call number within the round
+VISIT_CALLS = 4096  # a location's visit = round * VISIT_CALLS + call number within the round
 
 
-def tag_of(round_: int, call: int) -> int:
-    return round_ * TAG_CALLS + call
+def visit_of(round_: int, call: int) -> int:
+    """The visit that addresses a value in the pull buffers: the request's round and the call."""
+    return round_ * VISIT_CALLS + call
 
 
 class _Parked:
@@ -80,7 +81,7 @@ class StageSession(Resolver):
         where = f"{self.ownership.entries[target.index][0] or 'model'}.{KIND_NAMES[target.kind]}"
         round_ = max(block.req_step, 0)  # -1 while the block starts, inside its first round
         value: LazyValue = RemoteValue(
-            owner, self.req_of(block), target.key, tag_of(round_, occ), round_, where
+            owner, self.req_of(block), target.key, visit_of(round_, occ), round_, where
         )
         for k in target.keys:
             value = value[k]
@@ -98,15 +99,15 @@ class StageSession(Resolver):
             if id(block) in seen:
                 continue
             seen.add(id(block))
-            req, tag = self.req_of(block), tag_of(max(block.req_step, 0), n)
+            req, visit = self.req_of(block), visit_of(max(block.req_step, 0), n)
             try:
                 if request_level:
                     rows = batching.narrow(value, block.req_rows, kernel.req_batch)
                 else:
                     rows = batching.narrow(value, block.rows, kernel.batch_size)
-                self.service.publish(req, key, tag, rows)
+                self.service.publish(req, key, visit, rows)
             except Exception as err:  # the other stages' pulls of it fail, not this forward
-                self.service.fail(req, key, tag, f"stage {self._stage} could not publish it: {err}")
+                self.service.fail(req, key, visit, f"stage {self._stage} could not publish it: {err}")
 
     def on_pull(self, block: Block, pull: Any) -> Any:
         lazy = pull.value
@@ -132,8 +133,8 @@ class StageSession(Resolver):
                 if leaf._value is not _UNSET or id(leaf) in seen:
                     continue
                 seen.add(id(leaf))
-                owner, req, key, tag, where = self._address(leaf)
-                handles.append((leaf, self.service.request(owner, req, key, tag, where=where)))
+                owner, req, key, visit, where = self._address(leaf)
+                handles.append((leaf, self.service.request(owner, req, key, visit, where=where)))
         except Exception:
             for _, handle in handles:
                 self.service.cancel(handle)
@@ -210,13 +211,13 @@ class StageSession(Resolver):
         return current is not None and leaf.round < current.req_step
 
     def fetch(self, leaf: RemoteValue) -> Any:
-        owner, req, key, tag, where = self._address(leaf)
-        return self.service.pull(owner, req, key, tag, where=where)
+        owner, req, key, visit, where = self._address(leaf)
+        return self.service.pull(owner, req, key, visit, where=where)
 
     @staticmethod
     def _address(leaf: RemoteValue) -> tuple[int, int, int, int, str]:
         where = f"{leaf.where} (request {leaf.req}, round {leaf.round})"
-        return leaf.owner, leaf.req, leaf.key, leaf.tag, where
+        return leaf.owner, leaf.req, leaf.key, leaf.visit, where
 
     # --- results ---------------------------------------------------------------------------------
 

@@ -322,7 +322,7 @@ def create_app(
 
     def unpack_code(req: _Request, invokes: list[_Invoke]) -> None:
         """Trusted code only (checked before): this unpickles, i.e. runs the client's code here."""
-        from ..engines.vllm.transport import unpack_block
+        from ..engines.vllm.packing import unpack_block
 
         for i, inv in enumerate(req.invokes):
             if inv["code"] is None:

@@ -117,7 +117,7 @@ class RemoteEngine(Engine):
             elif inv.block is no_block:
                 entry["block"] = None  # the server runs the prompt with no block
             else:  # the client's own code: only a server that trusts this token runs it
-                from ..engines.vllm.transport import pack_block
+                from ..engines.vllm.packing import pack_block
 
                 entry["block"] = None
                 entry["code"] = base64.b64encode(pack_block(inv.block, inv.args, inv.kwargs)).decode()

@@ -326,7 +326,7 @@ def add_openai_routes(
             except BlockArgumentError as e:
                 kind = "UnknownBlockError" if isinstance(e, UnknownBlockError) else "BlockArgumentError"
                 raise Refusal(422, kind, str(e)) from None
-            from ..engines.vllm.transport import pack_block
+            from ..engines.vllm.packing import pack_block
 
             num = engine.new_request_number()
             attach = _Attach(

@@ -33,8 +33,8 @@ from ..bridge import await_future
 from ..inputs import InputError, token_rows
 from . import console
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .packing import pack_block, unpack_outcome
 from .stream import Receiver
-from .transport import pack_block, unpack_outcome
 from .watch import Proc, Watch
 
 WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"

@@ -16,7 +16,7 @@ for the request's outcome to be collected.
 * **Messages.** Two frames: a text header ``kind|stage|n|request id`` and a payload. ``v``: the
   n-th value of a request, pickled with cloudpickle (this channel is internal to the engine's own
   processes). ``e``: the request is over on that stage, after n values; its payload is the
-  stage's packed outcome of the request's block (``transport.pack_outcome``). A worker sends ``e``
+  stage's packed outcome of the request's block (``packing.pack_outcome``). A worker sends ``e``
   when it finishes the request's block (when vLLM reports the request finished, or when the driver
   collects a request early) and when the driver collects a request it does not hold. One socket is
   FIFO, so once every sender's ``e`` has arrived, all of the request's values have, and the
@@ -38,7 +38,7 @@ from typing import Any
 import cloudpickle
 
 from ...pp.merge import NOT_HERE, merge
-from .transport import RemoteBlockError
+from .packing import RemoteBlockError
 
 VALUE, END = "v", "e"
 

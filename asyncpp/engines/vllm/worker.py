@@ -34,13 +34,13 @@ from ...locations.tree import build_tree, tree_from_paths
 from ...native import tls
 from ...native.controllers import Controllers
 from ...pp.ownership import Ownership, report
+from ...pp.pulls import PullService
 from ...pp.stage import StageSession
-from ...pp.transport import PullService
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .packing import pack_outcome, unpack_block
 from .stream import Sender
 from .tensor_parallel import find_shardings
-from .transport import pack_outcome, unpack_block
 
 log = logging.getLogger("asyncpp.vllm")
 

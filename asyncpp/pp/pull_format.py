@@ -1,0 +1,307 @@
+"""The wire format of the cross-stage pull transport (:mod:`asyncpp.pp.pulls`), as pure functions.
+
+Nothing here sends, receives or starts a thread: these are the bytes both ends agree on.
+
+* Every message starts with a fixed-size int64 header of :data:`HEADER_WORDS` words, sent with the
+  gloo message tag :data:`TAG_HEADER`:
+  ``[magic, kind, sender, req, key, visit, ticket, status, dtype, meta_words, payload_bytes,
+  body_bytes]``. A value is addressed by (req, key, visit): the request's number, the location's wait
+  key (module index * 4 + kind) and the visit (the request's round and the call number of the
+  location within it, :func:`asyncpp.pp.stage.visit_of`).
+* Kinds: :data:`PULL` (requester -> owner), :data:`CANCEL` (the requester gave up: the owner drops
+  the waiting pull), :data:`REPLY` (owner -> requester, echoes the ticket), :data:`DRAIN` (request
+  end, to every peer), :data:`BYE` (the last message a rank sends to a peer).
+* A REPLY with ``body_bytes > 0`` is followed at once by one uint8 body with the gloo message tag
+  :data:`TAG_BODY`. An ok body (status :data:`OK`) is ``meta (int64 words, padded to 16 bytes) +
+  payload``: the payload is every tensor of the value flattened into one buffer of its single dtype;
+  meta encodes the structure and shapes (``[LEAF, ndim, *shape]`` or ``[TUPLE|LIST, n,
+  *children]``). An error body (status :data:`ERR`) is the UTF-8 message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..kernel.errors import AsyncppError
+
+MAGIC = 0x41505050
+TAG_HEADER = 0x5A50  # gloo message tag of every header
+TAG_BODY = 0x5A51  # gloo message tag of a reply's body
+HEADER_WORDS = 12
+HEADER_BYTES = HEADER_WORDS * 8
+(
+    H_MAGIC,
+    H_KIND,
+    H_SENDER,
+    H_REQ,
+    H_KEY,
+    H_VISIT,
+    H_TICKET,
+    H_STATUS,
+    H_DTYPE,
+    H_META,
+    H_PAYLOAD,
+    H_BODY,
+) = range(HEADER_WORDS)
+
+PULL, CANCEL, REPLY, DRAIN, BYE = 1, 2, 3, 4, 5
+KIND_NAMES = {PULL: "PULL", CANCEL: "CANCEL", REPLY: "REPLY", DRAIN: "DRAIN", BYE: "BYE"}
+OK, ERR = 0, 1
+LEAF, TUPLE, LIST = 0, 1, 2
+
+MAX_MESSAGE = 1 << 16  # bytes of an error body at most
+
+# Same order on every rank (same torch build): the index is the wire code.
+DTYPES: tuple[torch.dtype, ...] = tuple(
+    d
+    for d in (
+        getattr(torch, name, None)
+        for name in (
+            "float32",
+            "float64",
+            "float16",
+            "bfloat16",
+            "uint8",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "bool",
+            "complex64",
+            "complex128",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float8_e4m3fn",
+            "float8_e5m2",
+            "float8_e4m3fnuz",
+            "float8_e5m2fnuz",
+        )
+    )
+    if isinstance(d, torch.dtype)
+)
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+
+
+class WireError(AsyncppError, ValueError):
+    """A message that does not follow the pull wire format."""
+
+
+class UnknownKind(WireError):
+    """A header whose magic is right but whose kind is not one this format knows."""
+
+    def __init__(self, message: str, header: Header):
+        super().__init__(message)
+        self.header = header
+
+
+class Refused(AsyncppError, ValueError):
+    """A value that cannot cross stages; the message says why."""
+
+
+class Header(NamedTuple):
+    """One parsed header (every word but the magic)."""
+
+    kind: int
+    sender: int
+    req: int = 0
+    key: int = 0
+    visit: int = 0
+    ticket: int = 0
+    status: int = 0
+    dtype: int = 0
+    meta_words: int = 0
+    payload_bytes: int = 0
+    body_bytes: int = 0
+
+
+def header(
+    kind: int,
+    sender: int,
+    req: int = 0,
+    key: int = 0,
+    visit: int = 0,
+    ticket: int = 0,
+    status: int = 0,
+    dtype: int = 0,
+    meta_words: int = 0,
+    payload_bytes: int = 0,
+    body_bytes: int = 0,
+) -> torch.Tensor:
+    """A header as the int64 tensor sent with :data:`TAG_HEADER`."""
+    if kind not in KIND_NAMES:
+        raise WireError(f"unknown message kind {kind}: the kinds are {_kinds()}")
+    words = [
+        MAGIC,
+        kind,
+        sender,
+        req,
+        key,
+        visit,
+        ticket,
+        status,
+        dtype,
+        meta_words,
+        payload_bytes,
+        body_bytes,
+    ]
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def read_header(words: Sequence[int]) -> Header:
+    """Parse a received header's words. Raises WireError for a wrong length or magic, and its
+    subclass UnknownKind (carrying the parsed header) for a kind this format does not know."""
+    if len(words) != HEADER_WORDS:
+        raise WireError(f"a header has {HEADER_WORDS} words, not {len(words)}: {list(words)}")
+    if words[H_MAGIC] != MAGIC:
+        raise WireError(f"bad magic {words[H_MAGIC]:#x} (expected {MAGIC:#x}) in header {list(words)}")
+    parsed = Header(*words[H_KIND:])
+    if parsed.kind not in KIND_NAMES:
+        raise UnknownKind(f"unknown message kind {parsed.kind} from stage {parsed.sender}", parsed)
+    return parsed
+
+
+def _kinds() -> str:
+    return ", ".join(f"{code} ({name})" for code, name in KIND_NAMES.items())
+
+
+@dataclass
+class Encoded:
+    """One value (or failure), serialized once for the wire: a REPLY's status, the header words that
+    describe the body, and the body itself. ``message`` is an error's text."""
+
+    status: int
+    dtype: int = 0
+    meta_words: int = 0
+    payload_bytes: int = 0
+    body: torch.Tensor | None = None
+    message: str = ""
+
+    def reply_header(self, sender: int, req: int, key: int, visit: int, ticket: int) -> torch.Tensor:
+        """The REPLY header announcing this value to the pull ``ticket``."""
+        body = 0 if self.body is None else self.body.numel()
+        return header(
+            REPLY,
+            sender,
+            req,
+            key,
+            visit,
+            ticket,
+            self.status,
+            self.dtype,
+            self.meta_words,
+            self.payload_bytes,
+            body,
+        )
+
+
+def error_body(message: str) -> Encoded:
+    """A failure for the pullers: the message, UTF-8, cut to :data:`MAX_MESSAGE` bytes (never empty)."""
+    data = message.encode("utf-8", "replace")[:MAX_MESSAGE] or b"error"
+    return Encoded(ERR, body=torch.tensor(list(data), dtype=torch.uint8), message=message)
+
+
+def error_message(body: torch.Tensor | None) -> str:
+    """The text of an error body (empty for none)."""
+    return "" if body is None else bytes(body.tolist()).decode("utf-8", "replace")
+
+
+def _path(path: tuple[int, ...]) -> str:
+    return "value" + "".join(f"[{i}]" for i in path)
+
+
+def encode(value: Any) -> Encoded:
+    """Serialize a tensor or a (nested) tuple/list of tensors of one dtype into one private CPU
+    buffer. Raises Refused for anything else (mixed dtypes, non-tensor items, sparse tensors)."""
+    meta: list[int] = []
+    leaves: list[tuple[tuple[int, ...], torch.Tensor]] = []
+
+    def walk(v: Any, path: tuple[int, ...]) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.layout != torch.strided:
+                raise Refused(f"{_path(path)} is a {v.layout} tensor; only dense tensors can cross stages")
+            meta.extend((LEAF, v.dim(), *v.shape))
+            leaves.append((path, v))
+        elif isinstance(v, (tuple, list)):
+            meta.extend((TUPLE if isinstance(v, tuple) else LIST, len(v)))
+            for i, item in enumerate(v):
+                walk(item, (*path, i))
+        else:
+            where = "the value" if not path else _path(path)
+            raise Refused(
+                f"{where} is a {type(v).__name__}, not a tensor: only tensors and tuples/lists of "
+                "tensors can cross stages"
+            )
+
+    walk(value, ())
+    dtypes: dict[torch.dtype, tuple[int, ...]] = {}
+    for path, leaf in leaves:
+        dtypes.setdefault(leaf.dtype, path)
+    if len(dtypes) > 1:
+        kind = type(value).__name__
+        listed = ", ".join(f"{d} at {_path(p)}" for d, p in dtypes.items())
+        raise Refused(
+            f"the value is a {kind} with mixed dtypes ({listed}); a container must hold a single dtype to "
+            "cross stages (pull its items separately or cast them to one dtype)"
+        )
+    dtype = next(iter(dtypes), torch.float32)
+    if dtype not in DTYPE_CODE:
+        raise Refused(f"dtype {dtype} cannot cross stages")
+    if len(meta) % 2:
+        meta.append(0)  # 16-byte aligned payload, so a view as any dtype is legal
+    meta_bytes = 8 * len(meta)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = sum(leaf.numel() for _, leaf in leaves)
+    body = torch.empty(meta_bytes + numel * itemsize, dtype=torch.uint8)
+    body[:meta_bytes].view(torch.int64).copy_(torch.tensor(meta, dtype=torch.int64))
+    payload = body[meta_bytes:].view(dtype)
+    offset = 0
+    for _, leaf in leaves:
+        n = leaf.numel()
+        payload[offset : offset + n].view(leaf.shape).copy_(leaf.detach())
+        offset += n
+    return Encoded(OK, DTYPE_CODE[dtype], len(meta), numel * itemsize, body)
+
+
+def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Tensor) -> Any:
+    """Rebuild a value from an ok body; its tensors are views of ``body``. Raises WireError for an
+    unknown dtype code."""
+    if not 0 <= dtype_code < len(DTYPES):
+        raise WireError(f"reply carries an unknown dtype code {dtype_code}")
+    dtype = DTYPES[dtype_code]
+    meta_bytes = 8 * meta_words
+    meta = body[:meta_bytes].view(torch.int64).tolist()
+    payload = body[meta_bytes : meta_bytes + payload_bytes].view(dtype)
+    pos = 0
+    offset = 0
+
+    def build() -> Any:
+        nonlocal pos, offset
+        kind, n = meta[pos], meta[pos + 1]
+        pos += 2
+        if kind not in (LEAF, TUPLE, LIST):
+            raise WireError(f"reply meta has an unknown node kind {kind} at word {pos - 2}")
+        if kind == LEAF:
+            shape = meta[pos : pos + n]
+            pos += n
+            count = math.prod(shape)
+            t = payload[offset : offset + count].view(shape)
+            offset += count
+            return t
+        items = [build() for _ in range(n)]
+        return tuple(items) if kind == TUPLE else items
+
+    return build()
+
+
+def decode_copy(encoded: Encoded) -> Any:
+    """A fresh copy of an encoded ok value (the owner reading its own buffer), private to the caller.
+    Raises WireError for an error."""
+    if encoded.status != OK or encoded.body is None:
+        raise WireError(f"not an ok value: {encoded.message or 'no body'}")
+    return decode(encoded.dtype, encoded.meta_words, encoded.payload_bytes, encoded.body.clone())

@@ -1,0 +1,654 @@
+"""The cross-stage pull service of pipeline parallelism.
+
+Every pipeline stage runs the same user block. When a block on one stage needs the value of a module
+location that another stage owns, it *pulls* it from the owner: the owner *publishes* values on its
+forward thread into a buffer, and a listener thread on each rank answers pulls. The traffic runs on our
+own gloo process group (one per TP column, group rank i == pipeline stage i), apart from the engine's.
+A value is addressed by (req, key, visit); the messages and their encoding are in
+:mod:`asyncpp.pp.pull_format`.
+
+Replies are routed to the waiting pull by ticket (unique per requester), so several pulls, from any
+number of threads, can be outstanding at once; a reply to an abandoned pull is read and dropped.
+
+gloo send/recv is a rendezvous (a send completes only once the peer posted the matching recv), so all
+sends of a rank go through one sender thread and the listener never sends: a listener only ever waits for
+a header (from anyone) or for the body its sender is about to send, hence no cycle of waits. A reply's
+body follows its header at once, from the same sender thread; the listener receives it from that source
+only. The listener stops once every peer said BYE.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..kernel.errors import AsyncppError
+from . import pull_format as fmt
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PullError", "PullTimeout", "PullService", "PullHandle"]
+
+
+class PullError(AsyncppError, RuntimeError):
+    """A pull that failed; the message names the location and the owner stage."""
+
+
+class PullTimeout(PullError):
+    """A pull whose deadline passed."""
+
+
+# recv waits use an explicit long timeout: a plain wait() would time out after the group's timeout while
+# the engine is idle, and a timed-out gloo recv leaves the pair unusable.
+_FOREVER = datetime.timedelta(days=365)
+_MAX_ENDED = 4096
+_CONTROL = frozenset((fmt.DRAIN, fmt.BYE))  # kinds counted as control traffic, not pull traffic
+
+# the pulls waiting at an owner for the values of one request: (key, visit) -> [(requester, ticket)]
+_Waiting = dict[tuple[int, int], list[tuple[int, int]]]
+
+
+class _PendingPull:
+    """A pull waiting for its reply on the requester side."""
+
+    __slots__ = ("owner", "event", "header", "body", "error")
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+        self.event = threading.Event()
+        self.header: fmt.Header | None = None
+        self.body: torch.Tensor | None = None
+        self.error: str | None = None
+
+
+class PullHandle:
+    """A pull in flight, made by :meth:`PullService.request`."""
+
+    __slots__ = ("service", "owner", "req", "key", "visit", "where", "ticket", "pending", "collected")
+
+    def __init__(
+        self,
+        service: PullService,
+        owner: int,
+        req: int,
+        key: int,
+        visit: int,
+        where: str,
+        ticket: int,
+        pending: _PendingPull | None,
+    ) -> None:
+        self.service = service
+        self.owner, self.req, self.key, self.visit, self.where = owner, req, key, visit, where
+        self.ticket = ticket
+        self.pending = pending  # None: a pull from this rank itself
+        self.collected = False  # waited on or cancelled
+
+    def answered(self) -> bool:
+        """Whether waiting on it now returns at once: the owner answered (with the value or an
+        error), or the pull already failed."""
+        if self.pending is None:
+            return self.service._local_done(self.req, self.key, self.visit)
+        return self.pending.event.is_set()
+
+
+@dataclass
+class _Out:
+    """One message for the sender thread: a header and an optional body, sent back to back."""
+
+    dst: int
+    header: torch.Tensor
+    body: torch.Tensor | None = None
+    ctrl: bool = False
+    reply: int = -1  # OK / ERR for replies (stats), -1 otherwise
+    on_fail: Callable[[BaseException], None] | None = None
+
+
+class PullService:
+    """One rank's end of the pull transport: a value buffer, a listener thread and a sender thread."""
+
+    close_grace_s: float = 10.0  # how long close() waits for the peers' goodbyes
+
+    def __init__(self, group: Any, rank: int, world: int, *, deadline_s: float = 60.0) -> None:
+        """group: a gloo ProcessGroup whose members are the stages of one TP column, group rank i ==
+        pipeline stage i. rank: this process's group rank; world: group size. deadline_s: how long a
+        pull waits before giving up."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a group of {world}")
+        size = getattr(group, "size", None)
+        if callable(size) and size() != world:
+            raise ValueError(f"the group has {size()} ranks, not {world}")
+        grank = getattr(group, "rank", None)
+        if callable(grank) and grank() != rank:
+            raise ValueError(f"this process is rank {grank()} of the group, not {rank}")
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.deadline_s = float(deadline_s)
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "pulls",  # remote pulls made by this rank
+                "local_pulls",  # pulls of values this rank owns
+                "served",  # ok replies sent
+                "served_errors",  # error replies sent
+                "timeouts",
+                "cancels",  # waiting pulls dropped because their requester gave up
+                "late_replies",  # replies for pulls that had already given up
+                "bytes_in",  # pull traffic (requests, cancels, replies: header + body)
+                "bytes_out",
+                "ctrl_bytes_in",  # drain / goodbye traffic
+                "ctrl_bytes_out",
+            ),
+            0,
+        )
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._values: dict[int, dict[tuple[int, int], fmt.Encoded]] = {}
+        self._waiters: dict[int, _Waiting] = {}
+        self._ended: dict[int, None] = {}  # requests cleared here (an ordered, bounded set)
+        self._pending: dict[int, _PendingPull] = {}  # by ticket
+        self._tickets = itertools.count(1)
+        self._drains: dict[int, set[int]] = {}  # the peers that said they are done with a request
+        self._released: dict[int, None] = {}  # released here, waiting for the peers' DRAIN
+        self._byes_in: set[int] = set()
+        self._outbox: queue.SimpleQueue[_Out | None] = queue.SimpleQueue()
+        self._listener: threading.Thread | None = None
+        self._sender: threading.Thread | None = None
+        self._started = False
+        self._closed = False
+        self._broken: str | None = None
+        # the listener's handler of each message kind: called with the lock held, returns what to do
+        # once the lock is released (replies to send), or None
+        self._handlers: dict[int, Callable[[fmt.Header, torch.Tensor | None], Callable[[], None] | None]] = {
+            fmt.PULL: self._on_pull,
+            fmt.CANCEL: self._on_cancel,
+            fmt.REPLY: self._on_reply,
+            fmt.DRAIN: self._on_drain,
+            fmt.BYE: self._on_bye,
+        }
+
+    def held(self) -> dict[str, int]:
+        """Per-request state held now (for leak checks): buffered values, waiting pulls, drains."""
+        with self._lock:
+            return {
+                "buffered": sum(len(v) for v in self._values.values()),
+                "waiting": sum(len(w) for w in self._waiters.values()),
+                "drains": len(self._drains) + len(self._released),
+                "open_pulls": len(self._pending),
+            }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the listener and sender threads (daemons); a group of one needs neither."""
+        with self._lock:
+            if self._started or self._closed:
+                return
+            self._started = True
+        if self.world == 1:
+            return
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"asyncpp-pp-send-{self.rank}", daemon=True
+        )
+        self._listener = threading.Thread(
+            target=self._listen_loop, name=f"asyncpp-pp-listen-{self.rank}", daemon=True
+        )
+        self._sender.start()
+        self._listener.start()
+
+    def close(self) -> None:
+        """Stop serving: pending local pulls raise PullError, pulls waiting here get an error, and every
+        peer gets a goodbye.  Idempotent.  Waits (up to ``close_grace_s``) for the peers' goodbyes, so the
+        threads are gone when every rank closes; a rank closing alone leaves a daemon listener behind."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for pending in self._pending.values():
+                pending.error = f"the pull service of stage {self.rank} was closed"
+                pending.event.set()
+            self._pending.clear()
+            waiting, self._waiters = self._waiters, {}
+            self._values.clear()
+            self._cv.notify_all()
+            started = self._started and self.world > 1
+        if not started:
+            return
+        for req, per_loc in waiting.items():
+            for (key, visit), who in per_loc.items():
+                entry = fmt.error_body(f"stage {self.rank} closed before it produced the value")
+                for requester, ticket in who:
+                    self._reply(requester, ticket, req, key, visit, entry)
+        for peer in range(self.world):
+            if peer != self.rank:
+                self._post(_Out(peer, fmt.header(fmt.BYE, self.rank), ctrl=True))
+        self._outbox.put(None)
+        deadline = time.monotonic() + self.close_grace_s
+        for thread in (self._sender, self._listener):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        if self._listener is not None and self._listener.is_alive():
+            log.info("stage %d closed before every peer did; its listener stays until they do", self.rank)
+
+    # ------------------------------------------------------------------ owner side
+
+    def publish(self, req: int, key: int, visit: int, value: Any) -> None:
+        """Store a private CPU copy of ``value`` (a tensor, or a possibly nested tuple/list of tensors of one
+        dtype) under (req, key, visit) and answer the pulls already waiting for it.  A value that cannot
+        cross stages (mixed dtypes, non-tensor items) is stored as an error for its pullers instead of
+        raising here: the model thread must keep running."""
+        try:
+            entry = fmt.encode(value)
+        except fmt.Refused as exc:
+            entry = fmt.error_body(str(exc))
+        except Exception as exc:  # a copy that failed: the pullers learn why, the forward goes on
+            log.exception(
+                "stage %d could not copy the value of req %d key %d visit %d", self.rank, req, key, visit
+            )
+            entry = fmt.error_body(f"the owner could not copy the value: {exc!r}")
+        self._store(req, key, visit, entry)
+
+    def fail(self, req: int, key: int, visit: int, message: str) -> None:
+        """Pulls of (req, key, visit), waiting or future, are answered with ``message`` as an error."""
+        self._store(req, key, visit, fmt.error_body(message))
+
+    def _store(self, req: int, key: int, visit: int, entry: fmt.Encoded) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._ended.pop(req, None)  # the request id is live again
+            self._values.setdefault(req, {})[(key, visit)] = entry
+            per_loc = self._waiters.get(req)
+            who = per_loc.pop((key, visit), []) if per_loc else []
+            if per_loc is not None and not per_loc:
+                del self._waiters[req]
+            self._cv.notify_all()
+        for requester, ticket in who:
+            self._reply(requester, ticket, req, key, visit, entry)
+
+    def _announce_done(self, req: int) -> bool:
+        """Tell every peer this rank is done with ``req`` (a DRAIN message); False when this service
+        cannot send any more (closed or broken)."""
+        with self._lock:
+            usable = self._started and not self._closed and self._broken is None
+        if usable:
+            for peer in range(self.world):
+                if peer != self.rank:
+                    self._post(_Out(peer, fmt.header(fmt.DRAIN, self.rank, req), ctrl=True))
+        return usable
+
+    def release(self, req: int) -> None:
+        """Request end without waiting: tell every peer this rank is done with ``req``; its buffer is
+        cleared once every peer has said the same (at once if they already have), so no rank frees
+        values another may still pull, and no rank waits on another's order of requests."""
+        if self.world == 1:
+            self._clear(req)
+            return
+        usable = self._announce_done(req)
+        with self._lock:
+            done = len(self._drains.get(req, ())) == self.world - 1 or not usable
+            if done:
+                self._drains.pop(req, None)
+                waiting = {}
+            else:
+                self._released[req] = None
+                # this stage produces nothing more for the request: pulls waiting here for a
+                # value it never published are answered now (its buffered values stay servable)
+                waiting = self._waiters.pop(req, {})
+        if done:
+            self._clear(req)
+        self._answer_ended(req, waiting)
+
+    def _clear(self, req: int) -> None:
+        """Drop every buffered value of ``req`` on this rank; pulls still waiting here for one of its
+        values are answered with an error, and later pulls of it fail at once (the last few thousand
+        ended ids are remembered, so request ids must not be reused before a publish revives them)."""
+        with self._lock:
+            waiting = self._forget(req)
+        self._answer_ended(req, waiting)
+
+    def _forget(self, req: int) -> _Waiting:
+        """(lock held) Drop the values of ``req``, remember that it ended, and hand back the pulls
+        still waiting for them (to answer with :meth:`_answer_ended` once the lock is released)."""
+        self._values.pop(req, None)
+        waiting = self._waiters.pop(req, {})
+        self._remember(self._ended, req)  # later pulls of it fail at once
+        self._cv.notify_all()
+        return waiting
+
+    def _answer_ended(self, req: int, waiting: _Waiting) -> None:
+        for (key, visit), who in waiting.items():
+            entry = fmt.error_body(self._ended_message(req, key, visit))
+            for requester, ticket in who:
+                self._reply(requester, ticket, req, key, visit, entry)
+
+    # ------------------------------------------------------------------ requester side
+
+    def pull(self, owner: int, req: int, key: int, visit: int, *, where: str) -> Any:
+        """Blocking: the value ``owner`` published under (req, key, visit), with its true dtype(s),
+        shape(s) and tuple/list structure, as CPU tensors private to the caller.  If it is not published
+        yet the owner answers when it is.  Errors raise PullError naming ``where`` and the owner; the
+        deadline raises PullTimeout naming ``where``, the owner and the seconds waited.  The same as
+        ``wait(request(...))``."""
+        return self.wait(self.request(owner, req, key, visit, where=where))
+
+    def request(self, owner: int, req: int, key: int, visit: int, *, where: str) -> PullHandle:
+        """Non-blocking: send the pull of (req, key, visit) to ``owner`` now and return its handle, to
+        check with ``handle.answered()``, collect with :meth:`wait` or give up with :meth:`cancel`.
+        Raises PullError at once when the pull cannot be made (closed or broken service, closed
+        owner)."""
+        if not 0 <= owner < self.world:
+            raise PullError(f"pull of {where}: stage {owner} is outside a pipeline of {self.world}")
+        if owner == self.rank:
+            return PullHandle(self, owner, req, key, visit, where, 0, None)
+        with self._lock:
+            trouble = self._trouble(owner)
+            if trouble is None:
+                ticket = next(self._tickets)
+                pending = _PendingPull(owner)
+                self._pending[ticket] = pending
+                self.stats["pulls"] += 1
+        if trouble is not None:
+            raise PullError(f"pull of {where} from stage {owner} failed: {trouble}")
+
+        def on_fail(exc: BaseException) -> None:
+            self._fail_pending(ticket, f"could not send the pull: {exc}")
+
+        self._post(_Out(owner, fmt.header(fmt.PULL, self.rank, req, key, visit, ticket), on_fail=on_fail))
+        return PullHandle(self, owner, req, key, visit, where, ticket, pending)
+
+    def wait(self, handle: PullHandle) -> Any:
+        """Blocking: the value of a pull made with :meth:`request` (errors and the deadline, counted
+        from this call, as for :meth:`pull`).  A handle is waited on once."""
+        owner, where = handle.owner, handle.where
+        if handle.collected:
+            raise PullError(f"pull of {where} from stage {owner}: its handle was already used")
+        handle.collected = True
+        if handle.pending is None:
+            return self._pull_local(handle.req, handle.key, handle.visit, where)
+        pending, ticket = handle.pending, handle.ticket
+        start = time.monotonic()
+        answered = pending.event.wait(self.deadline_s)
+        if not answered:
+            with self._lock:
+                gave_up = self._pending.pop(ticket, None) is not None
+                if gave_up:
+                    self.stats["timeouts"] += 1
+            if gave_up:
+                self._send_cancel(handle)
+                waited = time.monotonic() - start
+                raise PullTimeout(
+                    f"pull of {where} from stage {owner} timed out after {waited:.1f} s (request "
+                    f"{handle.req}, key {handle.key}, visit {handle.visit}): the owner never produced it"
+                )
+            # answered while we were giving up: the reply is there, use it
+        if pending.error is not None:
+            raise PullError(f"pull of {where} from stage {owner} failed: {pending.error}")
+        h = pending.header
+        assert h is not None
+        if h.status != fmt.OK:
+            raise PullError(f"pull of {where} from stage {owner} failed: {fmt.error_message(pending.body)}")
+        assert pending.body is not None
+        try:
+            return fmt.decode(h.dtype, h.meta_words, h.payload_bytes, pending.body)
+        except fmt.WireError as exc:
+            raise PullError(f"pull of {where} from stage {owner} failed: {exc}") from None
+
+    def cancel(self, handle: PullHandle) -> None:
+        """Give up a pull that will not be waited on: the owner drops it if it is still waiting there
+        (a reply already on its way is dropped on arrival).  Idempotent."""
+        if handle.collected:
+            return
+        handle.collected = True
+        if handle.pending is None:
+            return
+        with self._lock:
+            open_ = self._pending.pop(handle.ticket, None) is not None
+        if open_:
+            self._send_cancel(handle)
+
+    def _send_cancel(self, handle: PullHandle) -> None:
+        """Tell the owner to drop a pull this rank gave up on."""
+        cancel = fmt.header(fmt.CANCEL, self.rank, handle.req, handle.key, handle.visit, handle.ticket)
+        self._post(_Out(handle.owner, cancel))
+
+    def _trouble(self, owner: int) -> str | None:
+        """Why a pull from ``owner`` cannot be made now (lock held), or None."""
+        if self._closed:
+            return f"the pull service of stage {self.rank} is closed"
+        if self._broken is not None:
+            return f"the transport of stage {self.rank} is broken: {self._broken}"
+        if not self._started:
+            return f"the pull service of stage {self.rank} was not started"
+        if owner in self._byes_in:
+            return f"stage {owner} has closed its pull service"
+        return None
+
+    def _local_done(self, req: int, key: int, visit: int) -> bool:
+        """Whether a pull from this rank itself would return (or fail) at once."""
+        with self._lock:
+            return (key, visit) in self._values.get(req, {}) or req in self._ended or self._closed
+
+    def _pull_local(self, req: int, key: int, visit: int, where: str) -> Any:
+        """The owner pulling from itself: wait (on a condition, not the wire) until it is published."""
+        start = time.monotonic()
+        with self._cv:
+            self.stats["local_pulls"] += 1
+            while True:
+                entry = self._values.get(req, {}).get((key, visit))
+                if entry is not None:
+                    break
+                if req in self._ended:
+                    raise PullError(
+                        f"pull of {where} from stage {self.rank} failed: "
+                        + self._ended_message(req, key, visit)
+                    )
+                if self._closed:
+                    raise PullError(f"pull of {where} from stage {self.rank} failed: the service is closed")
+                left = start + self.deadline_s - time.monotonic()
+                if left <= 0:
+                    raise PullTimeout(
+                        f"pull of {where} from stage {self.rank} (this stage) timed out after "
+                        f"{time.monotonic() - start:.1f} s (request {req}, key {key}, visit {visit})"
+                    )
+                self._cv.wait(left)
+        return self._open(entry, where=where, owner=self.rank)
+
+    @staticmethod
+    def _open(entry: fmt.Encoded, *, where: str, owner: int) -> Any:
+        """A fresh copy of a locally stored value, or its error raised as PullError."""
+        if entry.status != fmt.OK:
+            raise PullError(f"pull of {where} from stage {owner} failed: {entry.message}")
+        return fmt.decode_copy(entry)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _ended_message(self, req: int, key: int, visit: int) -> str:
+        return f"request {req} ended on stage {self.rank} before key {key}, visit {visit} was produced"
+
+    @staticmethod
+    def _remember(members: dict[int, None], req: int) -> None:
+        """Add ``req`` to a bounded ordered set, forgetting the oldest (lock held)."""
+        members.pop(req, None)
+        members[req] = None
+        while len(members) > _MAX_ENDED:
+            del members[next(iter(members))]
+
+    def _reply(self, requester: int, ticket: int, req: int, key: int, visit: int, entry: fmt.Encoded) -> None:
+        header = entry.reply_header(self.rank, req, key, visit, ticket)
+        self._post(_Out(requester, header, entry.body, reply=entry.status))
+
+    def _fail_pending(self, ticket: int, message: str) -> None:
+        with self._lock:
+            pending = self._pending.pop(ticket, None)
+            if pending is not None:
+                pending.error = message
+                pending.event.set()
+
+    def _post(self, out: _Out) -> None:
+        """Queue a message for the sender thread.  It is counted now, so that once any API call returns,
+        the counters include what it sent (the send itself may complete a little later)."""
+        self._account(out, 1)
+        self._outbox.put(out)
+
+    def _account(self, out: _Out, sign: int) -> None:
+        nbytes = fmt.HEADER_BYTES + (0 if out.body is None else out.body.numel())
+        with self._lock:
+            self.stats["ctrl_bytes_out" if out.ctrl else "bytes_out"] += sign * nbytes
+            if out.reply == fmt.OK:
+                self.stats["served"] += sign
+            elif out.reply == fmt.ERR:
+                self.stats["served_errors"] += sign
+
+    # ------------------------------------------------------------------ threads
+
+    def _send_loop(self) -> None:
+        """The only thread that sends: header then body of one message, back to back, in queue order."""
+        said_bye: set[int] = set()
+        while True:
+            out = self._outbox.get()
+            if out is None:
+                return
+            if out.dst in said_bye:
+                continue  # nothing may follow a goodbye: the peer's listener may be gone
+            try:
+                self.group.send([out.header], out.dst, fmt.TAG_HEADER).wait()
+                if out.body is not None and out.body.numel() > 0:
+                    self.group.send([out.body], out.dst, fmt.TAG_BODY).wait()
+            except Exception as exc:
+                self._account(out, -1)  # it never left
+                log.warning("stage %d could not send to stage %d: %s", self.rank, out.dst, exc)
+                if out.on_fail is not None:
+                    out.on_fail(exc)
+                continue
+            if int(out.header[fmt.H_KIND]) == fmt.BYE:
+                said_bye.add(out.dst)
+
+    def _listen_loop(self) -> None:
+        """Receive headers from anyone (and the body after a reply header) until every peer said BYE."""
+        peers = self.world - 1
+        try:
+            while True:
+                with self._lock:
+                    if len(self._byes_in) >= peers:
+                        return
+                words = torch.empty(fmt.HEADER_WORDS, dtype=torch.int64)
+                work = self.group.recv_anysource([words], fmt.TAG_HEADER)
+                work.wait(_FOREVER)
+                h = self._parse(words.tolist())
+                body = None
+                if h.kind == fmt.REPLY and h.body_bytes > 0:
+                    body = torch.empty(h.body_bytes, dtype=torch.uint8)
+                    self.group.recv([body], h.sender, fmt.TAG_BODY).wait(_FOREVER)
+                self._dispatch(h, body)
+        except Exception as exc:
+            with self._lock:
+                closed = self._closed
+            if closed:
+                log.debug("stage %d listener stopped after close: %s", self.rank, exc)
+                return
+            log.error("stage %d pull listener failed: %s", self.rank, exc)
+            self._break(f"listener failed: {exc}")
+
+    def _parse(self, words: list[int]) -> fmt.Header:
+        """A received header, checked; a malformed one stops the listener (the stream is lost)."""
+        try:
+            h = fmt.read_header(words)
+        except fmt.UnknownKind as exc:
+            h = exc.header  # dispatched, and there logged and dropped: the stream itself is intact
+        except fmt.WireError as exc:
+            raise RuntimeError(f"stage {self.rank} got a malformed header: {exc}") from None
+        if not 0 <= h.sender < self.world or h.sender == self.rank:
+            raise RuntimeError(f"stage {self.rank} got a malformed header (sender {h.sender}): {words}")
+        return h
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            self._broken = why
+            for pending in self._pending.values():
+                pending.error = f"the transport of stage {self.rank} is broken: {why}"
+                pending.event.set()
+            self._pending.clear()
+            self._cv.notify_all()
+
+    def _dispatch(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+        """Handle one message on the listener thread; never blocks on the wire (sends are queued)."""
+        nbytes = fmt.HEADER_BYTES + (0 if body is None else body.numel())
+        handler = self._handlers.get(h.kind, self._on_unknown)
+        with self._lock:
+            self.stats["ctrl_bytes_in" if h.kind in _CONTROL else "bytes_in"] += nbytes
+            then = handler(h, body)
+        if then is not None:
+            then()
+
+    # the handlers, one per message kind (lock held; what they return runs once it is released)
+
+    def _on_reply(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+        pending = self._pending.pop(h.ticket, None)
+        if pending is None:
+            self.stats["late_replies"] += 1
+            return
+        pending.header = h
+        pending.body = body
+        pending.event.set()
+
+    def _on_pull(self, h: fmt.Header, body: torch.Tensor | None) -> Callable[[], None] | None:
+        if self._closed:
+            return None  # our goodbye is on its way: the requester fails the pull on it
+        req, at = h.req, (h.key, h.visit)
+        entry = self._values.get(req, {}).get(at)
+        if entry is None and (req in self._ended or req in self._released):
+            entry = fmt.error_body(self._ended_message(req, h.key, h.visit))
+        if entry is None:
+            self._waiters.setdefault(req, {}).setdefault(at, []).append((h.sender, h.ticket))
+            return None
+        return partial(self._reply, h.sender, h.ticket, req, h.key, h.visit, entry)
+
+    def _on_cancel(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+        per_loc = self._waiters.get(h.req, {})
+        at = (h.key, h.visit)
+        who = per_loc.get(at)
+        if who and (h.sender, h.ticket) in who:
+            who.remove((h.sender, h.ticket))
+            self.stats["cancels"] += 1
+            if not who:
+                del per_loc[at]
+                if not per_loc:
+                    del self._waiters[h.req]
+
+    def _on_drain(self, h: fmt.Header, body: torch.Tensor | None) -> Callable[[], None] | None:
+        req = h.req
+        got = self._drains.setdefault(req, set())
+        got.add(h.sender)
+        self._cv.notify_all()
+        if req not in self._released or len(got) < self.world - 1:
+            return None
+        # released here and every peer is done with it too: clear it
+        self._released.pop(req, None)
+        self._drains.pop(req, None)
+        return partial(self._answer_ended, req, self._forget(req))
+
+    def _on_bye(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+        src = h.sender
+        self._byes_in.add(src)
+        for per_loc in self._waiters.values():  # its waiting pulls: nobody to answer any more
+            for who in per_loc.values():
+                who[:] = [(r, t) for r, t in who if r != src]
+        for ticket, pending in list(self._pending.items()):
+            if pending.owner == src:
+                del self._pending[ticket]
+                pending.error = f"stage {src} closed its pull service"
+                pending.event.set()
+        self._cv.notify_all()
+
+    def _on_unknown(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+        log.error("stage %d got an unknown message kind %d from stage %d", self.rank, h.kind, h.sender)

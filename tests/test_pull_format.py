@@ -1,0 +1,210 @@
+"""The pull transport's wire format (asyncpp.pp.pull_format) in one process: headers, encoding values
+into meta + payload and back, error bodies, and the errors for what the format does not allow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpp.pp import pull_format as fmt
+
+
+def _bytes(t: torch.Tensor) -> list[int]:
+    """A tensor's elements as raw bytes (works for every dtype, including those without equality)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Same container types, dtypes, shapes and bytes."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and _bytes(a) == _bytes(b)
+        )
+    if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
+        return False
+    return all(_same(x, y) for x, y in zip(a, b))
+
+
+def _roundtrip(value: Any) -> Any:
+    enc = fmt.encode(value)
+    assert enc.status == fmt.OK and enc.body is not None and enc.body.dtype == torch.uint8
+    return fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, enc.body)
+
+
+# ---------------------------------------------------------------------------------------------- headers
+
+
+def test_constants_are_the_wire_format():
+    # these are on the wire between ranks: changing any of them breaks mixed versions
+    assert fmt.HEADER_WORDS == 12 and fmt.HEADER_BYTES == 96
+    assert (fmt.MAGIC, fmt.TAG_HEADER, fmt.TAG_BODY) == (0x41505050, 0x5A50, 0x5A51)
+    assert (fmt.PULL, fmt.CANCEL, fmt.REPLY, fmt.DRAIN, fmt.BYE) == (1, 2, 3, 4, 5)
+    assert (fmt.OK, fmt.ERR) == (0, 1) and (fmt.LEAF, fmt.TUPLE, fmt.LIST) == (0, 1, 2)
+    first = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8]
+    first += [torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+    assert list(fmt.DTYPES[: len(first)]) == first
+    assert all(fmt.DTYPE_CODE[d] == i for i, d in enumerate(fmt.DTYPES))
+
+
+def test_header_words_and_parse():
+    h = fmt.header(fmt.REPLY, 1, 7, 42, 4096 + 3, 9, fmt.ERR, 2, 4, 100, 132)
+    assert h.dtype == torch.int64 and h.shape == (fmt.HEADER_WORDS,)
+    assert h.tolist() == [fmt.MAGIC, fmt.REPLY, 1, 7, 42, 4096 + 3, 9, fmt.ERR, 2, 4, 100, 132]
+    parsed = fmt.read_header(h.tolist())
+    assert parsed == fmt.Header(fmt.REPLY, 1, 7, 42, 4099, 9, fmt.ERR, 2, 4, 100, 132)
+    assert parsed.visit == 4099 and parsed.ticket == 9 and parsed.body_bytes == 132
+    # the words after the sender default to zero
+    assert fmt.header(fmt.BYE, 2).tolist() == [fmt.MAGIC, fmt.BYE, 2] + [0] * 9
+    assert fmt.read_header(fmt.header(fmt.DRAIN, 0, 5).tolist()) == fmt.Header(fmt.DRAIN, 0, 5)
+
+
+def test_bad_headers_raise_clear_errors():
+    words = fmt.header(fmt.PULL, 1, 2, 3, 4, 5).tolist()
+    with pytest.raises(fmt.WireError, match=r"bad magic 0x1234 \(expected 0x41505050\)"):
+        fmt.read_header([0x1234, *words[1:]])
+    with pytest.raises(fmt.WireError, match="a header has 12 words, not 11"):
+        fmt.read_header(words[:-1])
+    with pytest.raises(fmt.UnknownKind, match="unknown message kind 99 from stage 1") as got:
+        fmt.read_header([fmt.MAGIC, 99, *words[2:]])
+    assert got.value.header.kind == 99 and got.value.header.sender == 1 and got.value.header.ticket == 5
+    assert issubclass(fmt.UnknownKind, fmt.WireError) and issubclass(fmt.WireError, ValueError)
+    with pytest.raises(fmt.WireError, match=r"unknown message kind 0: the kinds are 1 \(PULL\)"):
+        fmt.header(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("dtype", fmt.DTYPES, ids=str)
+def test_every_dtype_round_trips(dtype):
+    base = torch.arange(-3, 9, dtype=torch.float32).reshape(3, 4) / 2
+    if dtype.is_complex:
+        value = torch.complex(base, -base).to(dtype)
+    elif dtype == torch.bool:
+        value = base > 0
+    elif not dtype.is_floating_point and not dtype.is_signed:
+        value = base.abs().to(torch.int64).to(dtype)
+    else:
+        value = base.to(dtype)
+    enc = fmt.encode(value)
+    assert fmt.DTYPES[enc.dtype] == dtype
+    assert enc.payload_bytes == value.numel() * value.element_size()
+    back = _roundtrip(value)
+    assert _same(back, value)
+    assert _same(_roundtrip((value, value[1:])), (value, value[1:]))
+
+
+def test_nesting_shapes_and_layouts_round_trip():
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(4, 6, generator=g)
+    values = [
+        torch.randn(3, 4, generator=g),
+        torch.tensor(2.5),  # 0-dim
+        torch.empty(0, 4, dtype=torch.float16),  # no elements
+        base.t(),  # not contiguous
+        base[:, ::2],  # strided
+        torch.arange(7, dtype=torch.int64) + (1 << 40),
+        (torch.randn(2, 3, generator=g), torch.randn(4, generator=g)),
+        [torch.tensor([1, -2]), (torch.tensor([[3, 4]]), torch.tensor(5))],
+        (torch.ones(2, 2, dtype=torch.bfloat16),) * 2,  # one tensor twice
+        ((), [], ([],)),  # containers without tensors
+        (),
+        [],
+    ]
+    for value in values:
+        back = _roundtrip(value)
+        assert _same(back, value), value
+    assert _roundtrip(base.t()).is_contiguous()
+
+
+def test_meta_layout_and_alignment():
+    value = [torch.zeros(2, 3), (torch.ones(5),)]
+    enc = fmt.encode(value)
+    # [LIST, 2, [LEAF, 2, 2, 3], [TUPLE, 1, [LEAF, 1, 5]]] is 11 words, padded to 12 (16-byte payload)
+    assert enc.meta_words == 12
+    meta = enc.body[: 8 * enc.meta_words].view(torch.int64).tolist()
+    assert meta == [fmt.LIST, 2, fmt.LEAF, 2, 2, 3, fmt.TUPLE, 1, fmt.LEAF, 1, 5, 0]
+    assert enc.payload_bytes == 11 * 4 and enc.body.numel() == 8 * 12 + 11 * 4
+    payload = enc.body[8 * enc.meta_words :].view(torch.float32)
+    assert payload.tolist() == [0.0] * 6 + [1.0] * 5
+    assert fmt.encode(torch.ones(3)).meta_words == 4  # [LEAF, 1, 3] + padding
+    header = enc.reply_header(1, 7, 9, 3, 11).tolist()
+    assert header == [fmt.MAGIC, fmt.REPLY, 1, 7, 9, 3, 11, fmt.OK, enc.dtype, 12, 44, 8 * 12 + 44]
+
+
+def test_encode_copies_and_decode_views_the_body():
+    source = torch.arange(5.0)
+    enc = fmt.encode(source)
+    source.add_(100)  # the owner keeps a private copy
+    back = fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, enc.body)
+    assert back.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    enc.body[8 * enc.meta_words :].view(torch.float32)[0] = -1.0
+    assert back[0].item() == -1.0  # decode hands out views of the received body
+    copy = fmt.decode_copy(enc)
+    copy.add_(1)  # decode_copy (the owner reading its own buffer) hands out a private copy
+    assert fmt.decode_copy(enc).tolist() == [-1.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_unsupported_values_are_refused_with_the_reason():
+    with pytest.raises(
+        fmt.Refused, match=r"mixed dtypes \(torch\.float32 at value\[0\], torch\.int64 at value\[1\]\)"
+    ):
+        fmt.encode((torch.ones(2), torch.ones(2, dtype=torch.int64)))
+    with pytest.raises(fmt.Refused, match=r"value\[1\] is a NoneType, not a tensor"):
+        fmt.encode((torch.ones(2), None))
+    with pytest.raises(fmt.Refused, match=r"value\[1\]\[1\] is a str, not a tensor"):
+        fmt.encode([torch.ones(1), [torch.ones(1), "text"]])
+    with pytest.raises(fmt.Refused, match=r"the value is a int, not a tensor"):
+        fmt.encode(3)
+    with pytest.raises(fmt.Refused, match=r"value is a torch\.sparse_coo tensor; only dense tensors"):
+        fmt.encode(torch.eye(2).to_sparse())
+    with pytest.raises(fmt.Refused, match="the value is a dict, not a tensor: only tensors and tuples/lists"):
+        fmt.encode({"a": torch.ones(1)})
+
+
+def test_bad_bodies_raise_wire_errors():
+    enc = fmt.encode(torch.ones(2))
+    with pytest.raises(fmt.WireError, match="unknown dtype code 99"):
+        fmt.decode(99, enc.meta_words, enc.payload_bytes, enc.body)
+    with pytest.raises(fmt.WireError, match="unknown dtype code -1"):
+        fmt.decode(-1, enc.meta_words, enc.payload_bytes, enc.body)
+    bad = enc.body.clone()
+    bad[:8].view(torch.int64)[0] = 7  # not LEAF / TUPLE / LIST
+    with pytest.raises(fmt.WireError, match="unknown node kind 7 at word 0"):
+        fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, bad)
+    with pytest.raises(fmt.WireError, match="not an ok value: boom"):
+        fmt.decode_copy(fmt.error_body("boom"))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_error_bodies():
+    enc = fmt.error_body("stage 1 could not produce b: naïve ✓")
+    assert enc.status == fmt.ERR and enc.message == "stage 1 could not produce b: naïve ✓"
+    assert enc.body is not None and enc.body.dtype == torch.uint8
+    assert fmt.error_message(enc.body) == enc.message
+    assert enc.reply_header(0, 5, 6, 7, 8).tolist() == [
+        fmt.MAGIC,
+        fmt.REPLY,
+        0,
+        5,
+        6,
+        7,
+        8,
+        fmt.ERR,
+        0,
+        0,
+        0,
+        enc.body.numel(),
+    ]
+    assert fmt.error_message(fmt.error_body("").body) == "error"  # a body is never empty
+    assert fmt.error_message(None) == ""
+    long = fmt.error_body("x" * (fmt.MAX_MESSAGE + 10))
+    assert long.body.numel() == fmt.MAX_MESSAGE and len(long.message) == fmt.MAX_MESSAGE + 10
