@@ -12,6 +12,7 @@ import gc
 import threading
 import weakref
 
+import anyio
 import pytest
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ import asyncpp
 from asyncpp.engines.local.engine import LocalEngine
 
 PREFIX = "asyncpp-model-"
+BACKENDS = [("asyncio", {}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
 JOIN_S = 10.0
 
 
@@ -165,7 +167,8 @@ def test_an_error_held_by_the_caller_keeps_the_engine_only_while_held():
     _assert_released(refs, started)
 
 
-def test_a_cancelled_trace_leaves_nothing_alive():
+@pytest.mark.parametrize("backend", BACKENDS, ids=["asyncio", "uvloop", "trio"])
+def test_a_cancelled_trace_leaves_nothing_alive(backend):
     before = _model_threads()
     model = _small()
     engine = asyncpp.LocalEngine(model)
@@ -177,14 +180,14 @@ def test_a_cancelled_trace_leaves_nothing_alive():
         return await m[0].output
 
     async def main(engine):
-        task = asyncio.ensure_future(_trace(engine, slow, torch.randn(1, 8)))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_trace, engine, slow, torch.randn(1, 8))
+            await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        assert tg.cancel_scope.cancelled_caught
         gate.set()
 
-    asyncio.run(main(engine))
+    anyio.run(main, engine, backend=backend[0], backend_options=backend[1])
     started = _model_threads() - before
     assert len(started) == 1
     del model, engine

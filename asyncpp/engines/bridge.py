@@ -1,26 +1,53 @@
 """The bridge between the caller's event loop and the model's thread.
 
-A trace's run executes on the engine's long-lived model thread; the caller awaits a future that the
-model thread resolves through the loop's thread-safe entry point. Works under asyncio and uvloop
-(``call_soon_threadsafe``) and under trio (``TrioToken.run_sync_soon``); anyio runs on either.
+A trace's run executes on the engine's long-lived model thread; the caller awaits an event that the
+model thread sets through the loop's thread-safe entry point. One code path for asyncio, uvloop and
+trio, on anyio's low-level API: the caller's loop is ``anyio.lowlevel.current_token()``, the model
+thread posts to it with the backend's ``run_sync_soon`` (without waiting for the loop to run the
+callback: the model thread goes on with the next job), and the caller waits on an ``anyio.Event``.
 
 Cancelling the awaiting task does not interrupt a forward already running: the run finishes on the
-model thread, its blocks are closed as usual, and its outcome is dropped.
+model thread, its blocks are closed as usual, and its outcome is dropped. A loop that has finished
+by the time the run ends is not posted to: nobody waits, and the outcome is dropped too.
 
 Nothing here outlives a run: the model thread drops the job (its closure holds the engine) before
-the caller can see the outcome, and the outcome travels in a box rather than as the future's
-result (which the event loop's wake-up callback would hold until the caller next suspends). So an
-engine, and with it its model and its thread, is freed when the caller drops its last reference.
+the caller can see the outcome, and the outcome travels in a box, not as a value that the loop's
+wake-up callback would hold until the caller next suspends. So an engine, and with it its model
+and its thread, is freed when the caller drops its last reference.
 """
 
 from __future__ import annotations
 
-import asyncio
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+NO_LOOP = "asyncpp: async traces need a running asyncio, uvloop or trio event loop"
+
+
+def current_loop() -> anyio.lowlevel.EventLoopToken:
+    """The running event loop (asyncio, uvloop or trio), as anyio's token for it; a RuntimeError
+    saying so outside of one."""
+    try:
+        return anyio.lowlevel.current_token()
+    except anyio.NoEventLoopError:
+        raise RuntimeError(NO_LOOP) from None
+
+
+def poster(token: anyio.lowlevel.EventLoopToken) -> Callable[..., None]:
+    """``post(func, *args)``: call ``func(*args)`` soon on the loop of ``token``, from any thread,
+    without waiting for it. Raises RuntimeError (``anyio.RunFinishedError`` or the backend's own)
+    when that loop has finished."""
+    run_sync_soon, native = token.backend_class.run_sync_soon, token.native_token
+
+    def post(func: Callable[..., Any], *args: Any) -> None:
+        run_sync_soon(func, args, native)
+
+    return post
 
 
 class ModelThread:
@@ -42,8 +69,8 @@ class ModelThread:
         self, fn: Callable[[], Any], post: Callable[..., Any], settle: Callable[[bool, Any], None]
     ) -> None:
         """Run ``fn()`` on the thread; then ``post(_deliver, job)`` hands ``settle(ok, value)`` to
-        the caller's event loop (``loop.call_soon_threadsafe``, ``TrioToken.run_sync_soon``), which
-        calls it there. ``ok`` is False when ``fn`` raised, and ``value`` is then the error."""
+        the caller's event loop (``poster(current_loop())``), which calls it there. ``ok`` is
+        False when ``fn`` raised, and ``value`` is then the error."""
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
@@ -82,7 +109,7 @@ class ModelThread:
             fn = None
             try:
                 post(_deliver, job)
-            except RuntimeError:  # the caller's loop is closed (or trio's run ended): nobody waits
+            except RuntimeError:  # the caller's loop has finished (RunFinishedError): nobody waits
                 job.clear()
             # from here on the caller may hold the outcome alone: drop every reference to it first
             # (_deliver empties ``job`` on the caller's thread before it settles the caller)
@@ -98,53 +125,31 @@ def _deliver(job: list) -> None:
 
 async def run_on_thread(thread: ModelThread, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on ``thread`` and await its result without blocking the running event loop."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        loop = None
-    if loop is not None:
-        return await _asyncio_run(loop, thread, fn)
-    if "trio" in sys.modules:
-        return await _trio_run(thread, fn)
-    raise RuntimeError("asyncpp: async traces need a running asyncio, uvloop or trio event loop")
-
-
-async def _asyncio_run(loop: asyncio.AbstractEventLoop, thread: ModelThread, fn: Callable[[], Any]) -> Any:
-    fut = loop.create_future()
-    box: list = []
+    token = current_loop()
+    post = poster(token)
+    done = token.backend_class.create_event()  # an anyio.Event (anyio.Event() sniffs again)
+    box: list | None = []
 
     def settle(ok: bool, value: Any) -> None:
-        if not fut.done():  # (done: the awaiting task was cancelled, the outcome is dropped)
+        if box is not None:  # (None: the awaiting task was cancelled, the outcome is dropped)
             box.append((ok, value))
-            fut.set_result(None)
+            done.set()
 
-    thread.submit(fn, loop.call_soon_threadsafe, settle)
-    del fn
-    await fut
-    return _unbox(box)
-
-
-async def _trio_run(thread: ModelThread, fn: Callable[[], Any]) -> Any:
-    import trio
-
-    done = trio.Event()
-    box: list = []
-
-    def settle(ok: bool, value: Any) -> None:
-        box.append((ok, value))
-        done.set()
-
-    thread.submit(fn, trio.lowlevel.current_trio_token().run_sync_soon, settle)
-    del fn
-    await done.wait()
+    thread.submit(fn, post, settle)
+    del fn, post
+    try:
+        await done.wait()
+    except BaseException:
+        box = None
+        raise
     return _unbox(box)
 
 
 def _unbox(box: list) -> Any:
     """The outcome ``settle`` put in ``box``: returned, or raised. (The outcome goes through a box
-    rather than the future: the loop's callback that resumes the awaiting task holds the future
-    until the task next suspends, and so would keep a run's engine alive through the tracebacks
-    of its errors while the caller goes on.)"""
+    rather than as the value that resumes the awaiting task: the loop's callback that resumes it
+    holds that value until the task next suspends, and so would keep a run's engine alive through
+    the tracebacks of its errors while the caller goes on.)"""
     ok, value = box.pop()
     if ok:
         return value
@@ -157,24 +162,18 @@ def _unbox(box: list) -> Any:
 async def await_future(fut: Any) -> Any:
     """Await a ``concurrent.futures.Future`` (set by another thread) from asyncio, uvloop or trio;
     cancelling the awaiting task cancels the future."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
-        return await asyncio.wrap_future(fut)
-    import trio
-
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
+    token = current_loop()
+    post = poster(token)
+    done = token.backend_class.create_event()
 
     def wake(_: Any) -> None:
         try:
-            token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
+            post(done.set)
+        except RuntimeError:  # the loop has finished: nobody waits
             pass
 
     fut.add_done_callback(wake)
+    del wake
     try:
         await done.wait()
     except BaseException:  # cancelled: the work is given up too (as asyncio.wrap_future does)
