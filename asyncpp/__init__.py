@@ -33,7 +33,7 @@ from .kernel.grad import backward
 from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location
-from .native import TLSBuildError
+from .native import NativeBuildError, TLSBuildError
 from .pp.merge import NOT_HERE, RankDivergenceWarning
 from .pp.pulls import PullError, PullTimeout
 from .pp.remote import RemoteValueError, pull
@@ -76,6 +76,7 @@ __all__ = [
     "LocalEngine",
     "Location",
     "MissingAwaitError",
+    "NativeBuildError",
     "NeverReachedError",
     "OrderError",
     "NOT_HERE",

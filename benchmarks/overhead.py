@@ -337,7 +337,7 @@ def tls_state() -> str:
     except ImportError:
         return "n/a (this asyncpp has none)"
     on = tls.enabled()
-    return f"{'on' if on else 'off'} (ASYNCPP_TLS_SWAP={os.environ.get('ASYNCPP_TLS_SWAP', 'unset')})"
+    return f"{'on' if on else 'off'} (ASYNCPP_NATIVE={os.environ.get('ASYNCPP_NATIVE', 'unset')})"
 
 
 def command_line() -> str:

@@ -306,11 +306,114 @@ SCRIPT = """
 
 def test_env_var_turns_the_swap_off_knowingly():
     on = _run_script(SCRIPT, {})
-    off = _run_script(SCRIPT, {"ASYNCPP_TLS_SWAP": "0"})
+    off = _run_script(SCRIPT, {"ASYNCPP_NATIVE": "0"})
     assert on.returncode == 0, on.stderr
     assert off.returncode == 0, off.stderr
     assert "model saw grad True" in on.stdout
     assert "model saw grad False" in off.stdout
+
+
+SWITCHES = ("ASYNCPP_NATIVE", "ASYNCPP_TLS_SWAP")
+
+OFF_CHECK = """
+    import sys
+    import asyncpp, asyncpp.native
+    from torch import nn
+    engine = asyncpp.LocalEngine(nn.Linear(2, 2))
+    print("enabled", asyncpp.native.enabled())
+    print("switch", engine.switch)
+    print("loaded", any(name.startswith("asyncpp_native_") for name in sys.modules))
+"""
+
+
+def _run_with_switches(code: str, switches: dict) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with exactly ``switches`` of the two env switches set, and
+    every DeprecationWarning shown."""
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    return subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-c", textwrap.dedent(code)],
+        env={**env, **switches},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_asyncpp_native_0_switches_the_extension_off():
+    res = _run_with_switches(OFF_CHECK, {"ASYNCPP_NATIVE": "0"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:3] == ["enabled False", "switch None", "loaded False"]
+    assert "DeprecationWarning" not in res.stderr
+
+
+def test_the_old_switch_still_works_with_a_deprecation_warning():
+    res = _run_with_switches(OFF_CHECK, {"ASYNCPP_TLS_SWAP": "0"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:3] == ["enabled False", "switch None", "loaded False"]
+    assert "DeprecationWarning: ASYNCPP_TLS_SWAP is deprecated: set ASYNCPP_NATIVE instead" in res.stderr
+    assert res.stderr.count("ASYNCPP_TLS_SWAP is deprecated") == 1  # once per process
+
+
+@pytest.mark.parametrize(
+    ("switches", "on", "warns"),
+    [
+        ({}, True, False),
+        ({"ASYNCPP_NATIVE": "1"}, True, False),
+        ({"ASYNCPP_NATIVE": ""}, True, False),
+        ({"ASYNCPP_NATIVE": "0"}, False, False),
+        ({"ASYNCPP_NATIVE": "false"}, False, False),
+        ({"ASYNCPP_NATIVE": " Off "}, False, False),
+        ({"ASYNCPP_NATIVE": "NO"}, False, False),
+        ({"ASYNCPP_TLS_SWAP": "0"}, False, True),
+        ({"ASYNCPP_TLS_SWAP": "off"}, False, True),
+        ({"ASYNCPP_TLS_SWAP": "1"}, True, True),
+        ({"ASYNCPP_NATIVE": "1", "ASYNCPP_TLS_SWAP": "0"}, True, False),  # the new name wins
+        ({"ASYNCPP_NATIVE": "0", "ASYNCPP_TLS_SWAP": "1"}, False, False),
+    ],
+)
+def test_enabled_reads_the_new_switch_then_the_old_one(monkeypatch, switches, on, warns):
+    import warnings
+
+    from asyncpp import native
+
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(native, "_warned_old_switch", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.enabled() is on
+        assert native.enabled() is on  # (warned once at most)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(messages) == (1 if warns else 0), messages
+    if warns:
+        assert messages[0].startswith("ASYNCPP_TLS_SWAP is deprecated: set ASYNCPP_NATIVE instead")
+
+
+def test_tls_build_error_is_a_deprecated_alias_of_native_build_error():
+    from asyncpp import native
+    from asyncpp.native import tls
+
+    assert asyncpp.TLSBuildError is asyncpp.NativeBuildError is native.NativeBuildError
+    assert native.TLSBuildError is tls.TLSBuildError is tls.NativeBuildError is asyncpp.NativeBuildError
+    assert issubclass(asyncpp.NativeBuildError, asyncpp.AsyncppError)
+    assert issubclass(asyncpp.NativeBuildError, RuntimeError)
+    assert "NativeBuildError" in asyncpp.__all__ and "TLSBuildError" in asyncpp.__all__
+    with pytest.raises(asyncpp.TLSBuildError):  # old except clauses still catch it
+        raise asyncpp.NativeBuildError("no compiler")
+    try:
+        raise asyncpp.NativeBuildError("no compiler")
+    except asyncpp.TLSBuildError as err:
+        assert type(err).__name__ == "NativeBuildError"
+
+
+def test_the_build_folder_is_named_by_torch_and_python(monkeypatch, tmp_path):
+    from asyncpp import native
+
+    monkeypatch.setenv("ASYNCPP_CACHE", str(tmp_path))
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert native.build_dir() == tmp_path / "ext" / f"torch{torch.__version__}-{py}".replace("+", "_")
 
 
 def test_failed_build_raises_a_clear_error_at_run_start(tmp_path):
@@ -319,8 +422,8 @@ def test_failed_build_raises_a_clear_error_at_run_start(tmp_path):
         {"ASYNCPP_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"},
     )
     assert res.returncode != 0
-    assert "TLSBuildError" in res.stderr
-    assert "ASYNCPP_TLS_SWAP=0" in res.stderr
+    assert "NativeBuildError" in res.stderr
+    assert "ASYNCPP_NATIVE=0" in res.stderr
     assert "g++" in res.stderr
 
 

@@ -254,7 +254,7 @@ def test_blocks_torch_state_is_isolated_in_the_worker(vllm_engine):
     """In the worker a block starts in the forward's state (vLLM runs it under inference mode, so the
     tensors a block makes are inference tensors), and a torch-function mode it holds across its
     awaits sees only the block's own calls, none of the model's layers (without the swap, with
-    ASYNCPP_TLS_SWAP=0, it counts hundreds), and is back at every resume."""
+    ASYNCPP_NATIVE=0, it counts hundreds), and is back at every resume."""
     text = "The quick brown fox"
 
     async def plain(m):

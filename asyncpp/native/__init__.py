@@ -4,8 +4,10 @@ per-module controllers.
 Built on first use against the installed torch with its own ``cpp_extension`` tooling (g++ and
 ninja), into a cache folder keyed by the torch version, the Python version and the source's hash,
 so later runs (and other processes) load it without rebuilding. ``python -m asyncpp.native``
-builds it ahead of time. With ``ASYNCPP_TLS_SWAP=0`` nothing is built: the swap is off and the
-controllers are pure Python (slower; see docs/performance.md).
+builds it ahead of time. With ``ASYNCPP_NATIVE=0`` nothing is built: the swap is off and the
+controllers are pure Python (slower; see docs/performance.md). ``ASYNCPP_TLS_SWAP``, the switch's
+former name, is still honoured for one release (with a DeprecationWarning), as is ``TLSBuildError``,
+the former name of :class:`NativeBuildError`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -21,20 +24,44 @@ from ..kernel.errors import AsyncppError
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 SOURCES = ("module.cpp", "tls_swap.cpp", "autocast_tls.cpp", "controller.cpp", "rows.cpp", "trap_await.cpp")
-ENV_SWITCH = "ASYNCPP_TLS_SWAP"
+ENV_SWITCH = "ASYNCPP_NATIVE"  # 0/false/off/no: no native extension
+OLD_ENV_SWITCH = "ASYNCPP_TLS_SWAP"  # its deprecated former name, honoured for one release
+_OFF = ("0", "false", "off", "no")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: BaseException | None = None
+_warned_old_switch = False
 
 
-class TLSBuildError(AsyncppError, RuntimeError):
+class NativeBuildError(AsyncppError, RuntimeError):
     """The native extension (thread-local-state swap, controllers) could not be built or loaded."""
 
 
+TLSBuildError = NativeBuildError  # its deprecated former name (the same class), kept for one release
+
+
 def enabled() -> bool:
-    """Whether the native extension is used (``ASYNCPP_TLS_SWAP`` is not 0/false/off/no)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether the native extension is used (``ASYNCPP_NATIVE`` is not 0/false/off/no).
+
+    Without ``ASYNCPP_NATIVE``, its deprecated former name ``ASYNCPP_TLS_SWAP`` is read instead
+    (with a DeprecationWarning, once); when both are set, ``ASYNCPP_NATIVE`` wins.
+    """
+    global _warned_old_switch
+    value = os.environ.get(ENV_SWITCH)
+    if value is None:
+        value = os.environ.get(OLD_ENV_SWITCH)
+        if value is None:
+            return True
+        if not _warned_old_switch:
+            _warned_old_switch = True
+            warnings.warn(
+                f"{OLD_ENV_SWITCH} is deprecated: set {ENV_SWITCH} instead (the switch covers the "
+                "whole native extension: the thread-local-state swap and the controllers)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+    return value.strip().lower() not in _OFF
 
 
 def build_dir() -> Path:
@@ -42,12 +69,13 @@ def build_dir() -> Path:
 
     root = os.environ.get("ASYNCPP_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "asyncpp"
-    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    return base / "ext" / tag.replace("+", "_")
+    build_id = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    return base / "ext" / build_id.replace("+", "_")
 
 
 def load() -> ModuleType:
-    """The compiled extension, built on first use (raises :class:`TLSBuildError` if it cannot be)."""
+    """The compiled extension, built on first use (raises :class:`NativeBuildError` if it cannot
+    be)."""
     global _module, _error
     if _module is not None:
         return _module
@@ -71,7 +99,7 @@ def load() -> ModuleType:
                 module.install_await(trap)
             _module = module
         except Exception as err:
-            _error = TLSBuildError(
+            _error = NativeBuildError(
                 "asyncpp could not build its native extension (csrc/: the torch thread-local-state "
                 f"swap and the module controllers): {type(err).__name__}: {str(err).strip()[-1500:]}\n"
                 "It needs a C++ compiler (g++), the Python headers (python3-dev) and ninja "

@@ -123,9 +123,9 @@ class LocalEngine(Engine):
 
     @property
     def switch(self) -> Any:
-        """The torch thread-local-state swap (None when switched off with ASYNCPP_TLS_SWAP=0)."""
+        """The torch thread-local-state swap (None when switched off with ASYNCPP_NATIVE=0)."""
         if self._switch is _UNSET:
-            self._switch = tls.get_switch()  # raises TLSBuildError when it cannot be built
+            self._switch = tls.get_switch()  # raises NativeBuildError when it cannot be built
         return self._switch
 
     def _tls_template(self, switch: Any, grad: bool) -> Any:
