@@ -5,8 +5,15 @@
 // done here in C because the Python equivalent costs more than many small modules' own forward.
 // A call some block waits on goes to the interleaver's ``visit`` (Python).
 //
-// The RunSlot is shared by all controllers of a model: it holds the run's interleaver, the set of
-// module indices some block waits on (``hot_in``, ``hot_out``) and the per-module call counts of the current step.
+// The contract with Python (documented with the Python twin, asyncpp/native/controllers.py): the
+// RunLink is shared by all controllers of a model. ``attach(**fields)`` hands it the fields of a run
+// by name (the interleaver's ``link_fields()``): the containers the kernel mutates in place (hot_in,
+// hot_out, counts, waits, refs_out, ready), the kernel's entry points (visit, visit_output, resume,
+// complete, fail, serve, budget_enter, budget_leave), the modules the fast path leaves to the
+// kernel (special) and whether the fast path may serve at all (fast, derived from the run's hooks).
+// Besides these the fast path reads and writes named __slots__ of the kernel's own classes, whose
+// offsets set_types() looks up once: Location (key, occ, keys), Block (coro, state, rows, step,
+// order, waiting, done), Wait (every field) and Interleaver (current, position, batch_size, budget).
 // While a block's own code runs, ``bypass`` is set: a block that calls the model's modules itself
 // (a logit lens through ``lm_head``) runs them plainly, unseen by the run.
 
@@ -17,39 +24,37 @@
 
 namespace {
 
-PyObject* str_visit = nullptr;
-PyObject* str_visit_output = nullptr;
-
-struct RunSlot {
+struct RunLink {
   PyObject_HEAD
   PyObject* kernel;        // the interleaver of the run in progress, or None
   PyObject* hot_in;        // set of module indices with waits on their input stage (or step starts)
   PyObject* hot_out;       // set of module indices with waits on their output
   PyObject* counts;        // list: completed calls per module index in the current step
-  PyObject* visit;         // kernel.visit, bound once per run
+  PyObject* visit;         // kernel.visit
   PyObject* visit_output;  // kernel.visit_output
-  // the single-read fast path (see fast_serve): the kernel's structures, bound once per run
-  PyObject* waits;         // dict: wait key -> list of wait tuples
+  // the single-read fast path (see fast_serve)
+  PyObject* waits;         // dict: wait key -> list of Wait
   PyObject* refs_out;      // list: output waits per module index
   PyObject* ready;         // deque of woken blocks
-  PyObject* resume;        // kernel._resume
-  PyObject* complete;      // kernel._complete
-  PyObject* fail;          // kernel._fail
-  PyObject* serve;         // kernel.serve
-  PyObject* budget_enter;  // kernel._budget_enter / _budget_leave: a run whose blocks have a time
-  PyObject* budget_leave;  // budget (kernel.budget not None) times each outermost resume through them
+  PyObject* resume;        // resume(block, value, exc, msg, entered): the kernel steps a block on
+  PyObject* complete;      // complete(block, value): a block returned
+  PyObject* fail;          // fail(block, exc): a block raised
+  PyObject* serve;         // serve(): resume the woken blocks
+  PyObject* budget_enter;  // budget_enter(block) / budget_leave(block): a run whose blocks have a
+  PyObject* budget_leave;  // time budget (kernel.budget not None) times each outermost resume
   PyObject* special;       // set of module indices the fast path leaves to the kernel (or nullptr)
   PyObject* visit_out;     // the output of the call being served by the fast path
   Py_ssize_t visit_index;
   Py_ssize_t visit_n;
   long step;               // the kernel's current generation step (kept in sync by the kernel)
-  int fast;                // no intercept or publish hook: the fast path may serve
+  int fast;                // the fast path may serve (the run's hooks allow it)
   int in_visit;            // the fast path is serving visit_index / visit_n
   int bypass;
 };
 
 PyObject* location_type = nullptr;  // asyncpp's Location class, registered from Python
 PyObject* block_type = nullptr;     // the interleaver's Block class
+PyObject* wait_type = nullptr;      // the interleaver's Wait class
 
 // Offsets of the __slots__ the fast path reads and writes (looked up once, at registration).
 struct {
@@ -58,6 +63,9 @@ struct {
 struct {
   Py_ssize_t coro, state, rows, step, order, waiting, done;
 } blk_off;
+struct {
+  Py_ssize_t order, block, trap, step, occ, gather, item;
+} wait_off;
 struct {
   Py_ssize_t current, position, batch_size, budget;
 } ker_off;
@@ -72,8 +80,8 @@ inline void slot_set(PyObject* o, Py_ssize_t off, PyObject* v) {
   Py_XSETREF(*p, v);
 }
 
-int slot_traverse(PyObject* o, visitproc visit, void* arg) {
-  auto* s = reinterpret_cast<RunSlot*>(o);
+int link_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* s = reinterpret_cast<RunLink*>(o);
   Py_VISIT(s->kernel);
   Py_VISIT(s->hot_in);
   Py_VISIT(s->hot_out);
@@ -94,8 +102,8 @@ int slot_traverse(PyObject* o, visitproc visit, void* arg) {
   return 0;
 }
 
-// Drop what the slot holds of the run it served (bound methods, the kernel's structures).
-void drop_run(RunSlot* s) {
+// Drop what the link holds of the run it served.
+void drop_run(RunLink* s) {
   Py_CLEAR(s->visit);
   Py_CLEAR(s->visit_output);
   Py_CLEAR(s->waits);
@@ -113,8 +121,8 @@ void drop_run(RunSlot* s) {
   s->bypass = 0;
 }
 
-int slot_clear(PyObject* o) {
-  auto* s = reinterpret_cast<RunSlot*>(o);
+int link_clear(PyObject* o) {
+  auto* s = reinterpret_cast<RunLink*>(o);
   Py_CLEAR(s->kernel);
   Py_CLEAR(s->hot_in);
   Py_CLEAR(s->hot_out);
@@ -123,14 +131,14 @@ int slot_clear(PyObject* o) {
   return 0;
 }
 
-void slot_dealloc(PyObject* o) {
+void link_dealloc(PyObject* o) {
   PyObject_GC_UnTrack(o);
-  slot_clear(o);
+  link_clear(o);
   Py_TYPE(o)->tp_free(o);
 }
 
-PyObject* slot_new(PyTypeObject* type, PyObject*, PyObject*) {
-  auto* s = reinterpret_cast<RunSlot*>(type->tp_alloc(type, 0));
+PyObject* link_new(PyTypeObject* type, PyObject*, PyObject*) {
+  auto* s = reinterpret_cast<RunLink*>(type->tp_alloc(type, 0));
   if (!s) return nullptr;
   Py_INCREF(Py_None);
   s->kernel = Py_None;
@@ -154,132 +162,90 @@ PyObject* slot_new(PyTypeObject* type, PyObject*, PyObject*) {
   return reinterpret_cast<PyObject*>(s);
 }
 
-// The module indices whose values the kernel transforms on the way (request-level values narrowed
-// by request, TP-sharded outputs, outputs copied after serving): a new set, or nullptr with an error.
-PyObject* special_indices(PyObject* kernel) {
-  PyObject* out = PySet_New(nullptr);
-  if (!out) return nullptr;
-  const char* names[3] = {"request_level", "shard_out", "copy_after"};
-  for (const char* name : names) {
-    PyObject* v = PyObject_GetAttrString(kernel, name);
-    if (!v) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    int r = v == Py_None ? 0 : _PySet_Update(out, v);
-    Py_DECREF(v);
-    if (r < 0) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-  }
-  return out;
-}
-
-// slot.activate(kernel): attach a run (its hot_in, hot_out and counts are read once, here; the
-// kernel must mutate them in place). slot.deactivate(): detach it.
-PyObject* slot_activate(PyObject* o, PyObject* kernel) {
-  auto* s = reinterpret_cast<RunSlot*>(o);
-  PyObject* hot_in = PyObject_GetAttrString(kernel, "hot_in");
-  PyObject* hot_out = PyObject_GetAttrString(kernel, "hot_out");
-  PyObject* counts = PyObject_GetAttrString(kernel, "counts");
-  PyObject* visit = PyObject_GetAttr(kernel, str_visit);
-  PyObject* visit_output = PyObject_GetAttr(kernel, str_visit_output);
-  if (!hot_in || !hot_out || !counts || !visit || !visit_output || !PySet_Check(hot_in) ||
-      !PySet_Check(hot_out) || !PyList_Check(counts)) {
-    Py_XDECREF(hot_in);
-    Py_XDECREF(hot_out);
-    Py_XDECREF(counts);
-    Py_XDECREF(visit);
-    Py_XDECREF(visit_output);
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "activate(): the kernel needs set hot_in/hot_out and list counts");
+// link.attach(**fields): attach a run, its fields given by name (see the comment at the top; the
+// containers are read once, here, so the kernel must mutate them in place). link.detach(): detach it.
+PyObject* link_attach(PyObject* o, PyObject* args, PyObject* kwds) {
+  static const char* names[] = {"kernel",  "hot_in",       "hot_out",      "counts",  "waits", "refs_out",
+                                "ready",   "visit",        "visit_output", "resume",  "complete",
+                                "fail",    "serve",        "budget_enter", "budget_leave",
+                                "special", "fast",         "step",         nullptr};
+  PyObject *kernel, *hot_in, *hot_out, *counts, *waits, *refs_out, *ready, *visit, *visit_output, *resume;
+  PyObject *complete, *fail, *serve, *budget_enter, *budget_leave, *special;
+  int fast;
+  long step;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!O!O!O!O!OOOOOOOOOOpl:attach", const_cast<char**>(names),
+                                   &kernel, &PySet_Type, &hot_in, &PySet_Type, &hot_out, &PyList_Type, &counts,
+                                   &PyDict_Type, &waits, &PyList_Type, &refs_out, &ready, &visit, &visit_output,
+                                   &resume, &complete, &fail, &serve, &budget_enter, &budget_leave, &special,
+                                   &fast, &step)) {
     return nullptr;
   }
+  PyObject* special_set = PySet_New(special);  // a set of the kernel's own (any iterable is taken)
+  if (!special_set) return nullptr;
+  auto* s = reinterpret_cast<RunLink*>(o);
+  drop_run(s);
   Py_INCREF(kernel);
   Py_SETREF(s->kernel, kernel);
+  Py_INCREF(hot_in);
   Py_SETREF(s->hot_in, hot_in);
+  Py_INCREF(hot_out);
   Py_SETREF(s->hot_out, hot_out);
+  Py_INCREF(counts);
   Py_SETREF(s->counts, counts);
-  Py_XSETREF(s->visit, visit);
-  Py_XSETREF(s->visit_output, visit_output);
-  s->bypass = 0;
-  s->in_visit = 0;
-  s->fast = 0;
-  Py_CLEAR(s->visit_out);
-  // the fast path needs the kernel's structures; without them (or with hooks set) it stays off
-  PyObject* waits = PyObject_GetAttrString(kernel, "waits");
-  PyObject* refs_out = PyObject_GetAttrString(kernel, "_refs_out");
-  PyObject* ready = PyObject_GetAttrString(kernel, "ready");
-  PyObject* resume = PyObject_GetAttrString(kernel, "_resume");
-  PyObject* complete = PyObject_GetAttrString(kernel, "_complete");
-  PyObject* fail = PyObject_GetAttrString(kernel, "_fail");
-  PyObject* serve = PyObject_GetAttrString(kernel, "serve");
-  PyObject* budget_enter = PyObject_GetAttrString(kernel, "_budget_enter");
-  PyObject* budget_leave = PyObject_GetAttrString(kernel, "_budget_leave");
-  PyObject* intercept = PyObject_GetAttrString(kernel, "intercept");
-  PyObject* publish = PyObject_GetAttrString(kernel, "publish");
-  PyObject* step = PyObject_GetAttrString(kernel, "step");
-  PyObject* special = special_indices(kernel);
-  if (special && waits && refs_out && ready && resume && complete && fail && serve && budget_enter &&
-      budget_leave && intercept && publish && step &&
-      PyDict_CheckExact(waits) && PyList_CheckExact(refs_out) && location_type) {
-    s->fast = intercept == Py_None && publish == Py_None;
-    s->step = PyLong_AsLong(step);
+  PyObject** fields[] = {&s->waits,    &s->refs_out, &s->ready, &s->visit, &s->visit_output,
+                         &s->resume,   &s->complete, &s->fail,  &s->serve, &s->budget_enter,
+                         &s->budget_leave};
+  PyObject* values[] = {waits, refs_out, ready, visit, visit_output, resume, complete, fail, serve, budget_enter,
+                        budget_leave};
+  for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+    Py_INCREF(values[i]);
+    *fields[i] = values[i];
   }
-  PyErr_Clear();
-  Py_XSETREF(s->waits, waits);
-  Py_XSETREF(s->refs_out, refs_out);
-  Py_XSETREF(s->ready, ready);
-  Py_XSETREF(s->resume, resume);
-  Py_XSETREF(s->complete, complete);
-  Py_XSETREF(s->fail, fail);
-  Py_XSETREF(s->serve, serve);
-  Py_XSETREF(s->budget_enter, budget_enter);
-  Py_XSETREF(s->budget_leave, budget_leave);
-  Py_XSETREF(s->special, special);
-  Py_XDECREF(intercept);
-  Py_XDECREF(publish);
-  Py_XDECREF(step);
+  s->special = special_set;
+  s->fast = fast && location_type && wait_type;
+  s->step = step;
   Py_RETURN_NONE;
 }
 
-PyObject* slot_deactivate(PyObject* o, PyObject*) {
-  auto* s = reinterpret_cast<RunSlot*>(o);
+PyObject* link_detach(PyObject* o, PyObject*) {
+  auto* s = reinterpret_cast<RunLink*>(o);
   Py_INCREF(Py_None);
   Py_SETREF(s->kernel, Py_None);
   drop_run(s);
   Py_RETURN_NONE;
 }
 
-PyMethodDef slot_methods[] = {
-    {"activate", slot_activate, METH_O, "Attach a run's interleaver."},
-    {"deactivate", slot_deactivate, METH_NOARGS, "Detach the run."},
+PyMethodDef link_methods[] = {
+    {"attach", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(link_attach)),
+     METH_VARARGS | METH_KEYWORDS, "Attach a run, its fields given by name (the interleaver's link_fields())."},
+    {"detach", link_detach, METH_NOARGS, "Detach the run."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyMemberDef slot_members[] = {
-    {"kernel", T_OBJECT, offsetof(RunSlot, kernel), READONLY, "the interleaver of the run, or None"},
-    {"bypass", T_BOOL, offsetof(RunSlot, bypass), 0, "set while a block's own code runs"},
-    {"step", T_LONG, offsetof(RunSlot, step), 0, "the kernel's current generation step"},
-    {"fast", T_BOOL, offsetof(RunSlot, fast), 0, "whether the native single-read fast path may serve"},
-    {"in_visit", T_BOOL, offsetof(RunSlot, in_visit), READONLY, "the fast path is serving a call"},
-    {"visit_index", T_PYSSIZET, offsetof(RunSlot, visit_index), READONLY, "module of that call"},
-    {"visit_n", T_PYSSIZET, offsetof(RunSlot, visit_n), READONLY, "call number of that call"},
-    {"visit_out", T_OBJECT, offsetof(RunSlot, visit_out), 0, "the output of that call (writable)"},
+PyMemberDef link_members[] = {
+    {"kernel", T_OBJECT, offsetof(RunLink, kernel), READONLY, "the interleaver of the run, or None"},
+    {"bypass", T_BOOL, offsetof(RunLink, bypass), 0, "set while a block's own code runs"},
+    {"step", T_LONG, offsetof(RunLink, step), 0, "the kernel's current generation step"},
+    {"fast", T_BOOL, offsetof(RunLink, fast), 0, "whether the native single-read fast path may serve"},
+    {"in_visit", T_BOOL, offsetof(RunLink, in_visit), READONLY, "the fast path is serving a call"},
+    {"visit_index", T_PYSSIZET, offsetof(RunLink, visit_index), READONLY, "module of that call"},
+    {"visit_n", T_PYSSIZET, offsetof(RunLink, visit_n), READONLY, "call number of that call"},
+    {"visit_out", T_OBJECT, offsetof(RunLink, visit_out), 0, "the output of that call (writable)"},
     {nullptr, 0, 0, 0, nullptr}};
 
-PyTypeObject RunSlotType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+PyTypeObject RunLinkType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ------------------------------------------------------------------------------------------------
 
 struct Controller {
   PyObject_HEAD
   vectorcallfunc vectorcall;
-  RunSlot* slot;
+  RunLink* link;
   PyObject* forward;   // the module's real forward
   PyObject* index;     // module index (int)
   PyObject* out_key;   // wait key of its output: index * 4 + 2
   Py_ssize_t idx;
   PyObject* replaced;  // the instance-level forward this controller shadows, or None
+  PyObject* owner;     // the module's __dict__ (where the controller is installed)
 };
 
 PyObject* visit_full(Controller* c, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
@@ -305,7 +271,7 @@ PyObject* visit_full(Controller* c, PyObject* const* args, size_t nargsf, PyObje
       }
     }
   }
-  PyObject* visit = c->slot->visit;
+  PyObject* visit = c->link->visit;
   Py_INCREF(visit);
   PyObject* call_args[4] = {c->index, c->forward, tuple, kwargs};
   PyObject* out = PyObject_Vectorcall(visit, call_args, 4, nullptr);
@@ -322,21 +288,8 @@ PyObject* visit_full(Controller* c, PyObject* const* args, size_t nargsf, PyObje
 // errors) goes through the interleaver's Python code, which owns the semantics; this path only
 // repeats what that code does in this one case.
 
-PyObject* s_keys = nullptr;
-PyObject* s_rows = nullptr;
-PyObject* s_position = nullptr;
-PyObject* s_current = nullptr;
-PyObject* s_waiting = nullptr;
-PyObject* s_coro = nullptr;
-PyObject* s_state = nullptr;
-PyObject* s_kind = nullptr;
-PyObject* s_occ = nullptr;
-PyObject* s_step = nullptr;
-PyObject* s_key = nullptr;
-PyObject* s_order = nullptr;
-PyObject* s_index = nullptr;
 
-bool ready_empty(RunSlot* s) {
+bool ready_empty(RunLink* s) {
   Py_ssize_t n = PyObject_Length(s->ready);
   if (n < 0) {
     PyErr_Clear();
@@ -345,16 +298,25 @@ bool ready_empty(RunSlot* s) {
   return n == 0;
 }
 
-// Borrowed-style attribute read: returns a new reference or nullptr (error cleared: "not fast").
-PyObject* attr(PyObject* o, PyObject* name) {
-  PyObject* v = PyObject_GetAttr(o, name);
-  if (!v) PyErr_Clear();
-  return v;
+// A new Wait (the kernel's class, filled as its __init__ would, without running it), or nullptr.
+PyObject* new_wait(PyObject* order, PyObject* block, PyObject* trap, PyObject* step, PyObject* occ) {
+  auto* type = reinterpret_cast<PyTypeObject*>(wait_type);
+  PyObject* w = type->tp_alloc(type, 0);
+  if (!w) return nullptr;
+  static PyObject* zero = PyLong_FromLong(0);
+  slot_set(w, wait_off.order, order);
+  slot_set(w, wait_off.block, block);
+  slot_set(w, wait_off.trap, trap);
+  slot_set(w, wait_off.step, step);
+  slot_set(w, wait_off.occ, occ);
+  slot_set(w, wait_off.gather, Py_None);
+  slot_set(w, wait_off.item, zero);
+  return w;
 }
 
 // Park ``block`` on ``msg`` if it is a plain output read of a later call in the current step.
 // 1: parked; 0: not handled (the Python kernel will handle it); never raises.
-int try_park(RunSlot* s, PyObject* block, PyObject* msg) {
+int try_park(RunLink* s, PyObject* block, PyObject* msg) {
   if (Py_TYPE(msg) != reinterpret_cast<PyTypeObject*>(location_type)) return 0;
   PyObject *key = slot_get(msg, loc_off.key), *occ = slot_get(msg, loc_off.occ);
   PyObject *bstep = slot_get(block, blk_off.step), *order = slot_get(block, blk_off.order);
@@ -372,16 +334,14 @@ int try_park(RunSlot* s, PyObject* block, PyObject* msg) {
   PyObject* lst = PyDict_GetItemWithError(s->waits, key);
   if (lst) {
     Py_ssize_t n = PyList_GET_SIZE(lst);
-    if (n > 0 && PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(lst, n - 1), 0)) > PyLong_AsLong(order)) {
+    if (n > 0 && PyLong_AsLong(slot_get(PyList_GET_ITEM(lst, n - 1), wait_off.order)) > PyLong_AsLong(order)) {
       return 0;  // keeping invoke order needs a sort: the kernel does it
     }
   } else if (PyErr_Occurred()) {
     PyErr_Clear();
     return 0;
   }
-  PyObject* zero = PyLong_FromLong(0);
-  PyObject* w = PyTuple_Pack(7, order, block, msg, bstep, occ, Py_None, zero);
-  Py_XDECREF(zero);
+  PyObject* w = new_wait(order, block, msg, bstep, occ);
   if (!w) {
     PyErr_Clear();
     return 0;
@@ -420,7 +380,7 @@ int try_park(RunSlot* s, PyObject* block, PyObject* msg) {
 }
 
 // Resume ``block`` with ``value`` (the read it waited for). 0 on success, -1 with an error set.
-int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
+int resume_block(RunLink* s, PyObject* block, PyObject* value) {
   PyObject* kernel = s->kernel;
   PyObject* coro = slot_get(block, blk_off.coro);
   PyObject* state = slot_get(block, blk_off.state);
@@ -530,16 +490,18 @@ int resume_block(RunSlot* s, PyObject* block, PyObject* value) {
   return status;
 }
 
-// Whether ``w`` (a wait tuple) is a plain read of call ``n`` of this module in the current step,
+// Whether ``w`` (a Wait) is a plain read of call ``n`` of this module in the current step,
 // by a block that sees the whole batch or a plain row range: what the fast path can serve.
-bool plain_wait(RunSlot* s, PyObject* w, Py_ssize_t n) {
-  if (!PyTuple_CheckExact(w) || PyTuple_GET_SIZE(w) != 7) return false;
-  PyObject *block = PyTuple_GET_ITEM(w, 1), *trap = PyTuple_GET_ITEM(w, 2);
-  if (PyTuple_GET_ITEM(w, 5) != Py_None || Py_TYPE(trap) != reinterpret_cast<PyTypeObject*>(location_type) ||
+bool plain_wait(RunLink* s, PyObject* w, Py_ssize_t n) {
+  if (Py_TYPE(w) != reinterpret_cast<PyTypeObject*>(wait_type)) return false;
+  PyObject *block = slot_get(w, wait_off.block), *trap = slot_get(w, wait_off.trap);
+  PyObject *occ = slot_get(w, wait_off.occ), *step = slot_get(w, wait_off.step);
+  if (!block || !trap || !occ || !step) return false;
+  if (slot_get(w, wait_off.gather) != Py_None || Py_TYPE(trap) != reinterpret_cast<PyTypeObject*>(location_type) ||
       Py_TYPE(block) != reinterpret_cast<PyTypeObject*>(block_type)) {
     return false;
   }
-  if (PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 4)) != n || PyLong_AsLong(PyTuple_GET_ITEM(w, 3)) != s->step) {
+  if (PyLong_AsSsize_t(occ) != n || PyLong_AsLong(step) != s->step) {
     PyErr_Clear();
     return false;
   }
@@ -574,7 +536,7 @@ PyObject* rows_of(PyObject* value, PyObject* rows, Py_ssize_t batch) {
 // these cases only.
 // 1 when served (``*result`` is the call's output to return, or nullptr with an error set);
 // 0 when the Python kernel must serve this call. Consumes ``out`` only when it returns 1.
-int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
+int fast_serve(Controller* c, RunLink* s, PyObject* out, PyObject** result) {
   PyObject* lst = PyDict_GetItemWithError(s->waits, c->out_key);
   if (!lst) {
     PyErr_Clear();
@@ -596,7 +558,7 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
   for (Py_ssize_t i = 0; i < nw; i++) {
     PyObject* w = PyList_GET_ITEM(lst, i);
     if (!plain_wait(s, w, n)) return 0;
-    narrowing = narrowing || slot_get(PyTuple_GET_ITEM(w, 1), blk_off.rows) != Py_None;
+    narrowing = narrowing || slot_get(slot_get(w, wait_off.block), blk_off.rows) != Py_None;
   }
   if (narrowing) {  // the native narrowing takes tensors, tuples and lists; the kernel the rest
     if (!(THPVariable_CheckExact(out) || PyTuple_CheckExact(out) || PyList_CheckExact(out))) return 0;
@@ -610,7 +572,7 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
 
   // take the waits: the same bookkeeping as the kernel's visit_output
   Py_INCREF(lst);
-  PyObject* first = PyTuple_GET_ITEM(PyList_GET_ITEM(lst, 0), 2);
+  PyObject* first = slot_get(PyList_GET_ITEM(lst, 0), wait_off.trap);
   Py_INCREF(first);
   int ok = PyDict_DelItem(s->waits, c->out_key);
   if (ok == 0) {
@@ -627,13 +589,13 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
     *result = nullptr;
     return 1;
   }
-  Py_XSETREF(s->visit_out, out);  // steals: a block's write replaces it through the slot
+  Py_XSETREF(s->visit_out, out);  // steals: a block's write replaces it through the link
   s->visit_index = idx;
   s->visit_n = n;
   s->in_visit = 1;
   int status = 0;
   for (Py_ssize_t i = 0; i < nw && status == 0; i++) {
-    PyObject* block = PyTuple_GET_ITEM(PyList_GET_ITEM(lst, i), 1);
+    PyObject* block = slot_get(PyList_GET_ITEM(lst, i), wait_off.block);
     if (slot_get(block, blk_off.done) == Py_True) continue;
     Py_INCREF(block);
     // each block reads the value as the blocks before it left it (a write replaces visit_out)
@@ -650,7 +612,7 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
   s->in_visit = 0;
   PyObject* served = s->visit_out;
   s->visit_out = nullptr;
-  if (status == 0 && !ready_empty(s)) {  // a block set a slot another block waits on
+  if (status == 0 && !ready_empty(s)) {  // a block set an asyncpp.Slot another block waits on
     PyObject* done = PyObject_CallNoArgs(s->serve);
     if (!done) status = -1;
     Py_XDECREF(done);
@@ -666,7 +628,7 @@ int fast_serve(Controller* c, RunSlot* s, PyObject* out, PyObject** result) {
 
 PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* c = reinterpret_cast<Controller*>(o);
-  RunSlot* s = c->slot;
+  RunLink* s = c->link;
   if (s->kernel == Py_None || s->bypass) {
     return PyObject_Vectorcall(c->forward, args, nargsf, kwnames);
   }
@@ -710,21 +672,23 @@ PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargs
 
 int controller_traverse(PyObject* o, visitproc visit, void* arg) {
   auto* c = reinterpret_cast<Controller*>(o);
-  Py_VISIT(c->slot);
+  Py_VISIT(c->link);
   Py_VISIT(c->forward);
   Py_VISIT(c->index);
   Py_VISIT(c->out_key);
   Py_VISIT(c->replaced);
+  Py_VISIT(c->owner);
   return 0;
 }
 
 int controller_clear(PyObject* o) {
   auto* c = reinterpret_cast<Controller*>(o);
-  Py_CLEAR(c->slot);
+  Py_CLEAR(c->link);
   Py_CLEAR(c->forward);
   Py_CLEAR(c->index);
   Py_CLEAR(c->out_key);
   Py_CLEAR(c->replaced);
+  Py_CLEAR(c->owner);
   return 0;
 }
 
@@ -734,16 +698,19 @@ void controller_dealloc(PyObject* o) {
   Py_TYPE(o)->tp_free(o);
 }
 
-// Controller(slot, index, forward, replaced)
+// Controller(link, index, forward, replaced, owner): ``owner`` is the module's __dict__, where
+// install() puts the controller as ``forward``.
 PyObject* controller_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
-  PyObject *slot, *forward, *replaced;
+  PyObject *link, *forward, *replaced, *owner;
   Py_ssize_t idx;
-  if (!PyArg_ParseTuple(args, "O!nOO", &RunSlotType, &slot, &idx, &forward, &replaced)) return nullptr;
+  if (!PyArg_ParseTuple(args, "O!nOOO!", &RunLinkType, &link, &idx, &forward, &replaced, &PyDict_Type, &owner)) {
+    return nullptr;
+  }
   auto* c = reinterpret_cast<Controller*>(type->tp_alloc(type, 0));
   if (!c) return nullptr;
   c->vectorcall = controller_vectorcall;
-  Py_INCREF(slot);
-  c->slot = reinterpret_cast<RunSlot*>(slot);
+  Py_INCREF(link);
+  c->link = reinterpret_cast<RunLink*>(link);
   Py_INCREF(forward);
   c->forward = forward;
   c->index = PyLong_FromSsize_t(idx);
@@ -751,6 +718,8 @@ PyObject* controller_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   c->idx = idx;
   Py_INCREF(replaced);
   c->replaced = replaced;
+  Py_INCREF(owner);
+  c->owner = owner;
   if (!c->index || !c->out_key) {
     Py_DECREF(c);
     return nullptr;
@@ -763,33 +732,43 @@ PyMemberDef controller_members[] = {
     {"asyncpp_replaced", T_OBJECT, offsetof(Controller, replaced), READONLY,
      "the instance-level forward this controller shadows, or None"},
     {"index", T_PYSSIZET, offsetof(Controller, idx), READONLY, "the module's index"},
+    {"owner", T_OBJECT, offsetof(Controller, owner), READONLY, "the module's __dict__"},
     {nullptr, 0, 0, 0, nullptr}};
 
 PyTypeObject ControllerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// install(entries) / remove(entries): entries is a list of (module __dict__, controller, replaced).
-PyObject* py_install(PyObject*, PyObject* entries) {
+Controller* as_controller(PyObject* o) {
+  if (Py_TYPE(o) != &ControllerType) {
+    PyErr_SetString(PyExc_TypeError, "install()/remove() take a list of Controller");
+    return nullptr;
+  }
+  return reinterpret_cast<Controller*>(o);
+}
+
+// install(controllers): each shadows its module's forward. remove(controllers): undo that,
+// restoring the instance-level forward a controller shadowed.
+PyObject* py_install(PyObject*, PyObject* controllers) {
   static PyObject* key = PyUnicode_InternFromString("forward");
-  if (!PyList_Check(entries)) return PyErr_Format(PyExc_TypeError, "install() takes a list");
-  Py_ssize_t n = PyList_GET_SIZE(entries);
+  if (!PyList_Check(controllers)) return PyErr_Format(PyExc_TypeError, "install() takes a list");
+  Py_ssize_t n = PyList_GET_SIZE(controllers);
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject* e = PyList_GET_ITEM(entries, i);
-    if (PyDict_SetItem(PyTuple_GET_ITEM(e, 0), key, PyTuple_GET_ITEM(e, 1)) < 0) return nullptr;
+    PyObject* o = PyList_GET_ITEM(controllers, i);
+    Controller* c = as_controller(o);
+    if (!c || PyDict_SetItem(c->owner, key, o) < 0) return nullptr;
   }
   Py_RETURN_NONE;
 }
 
-PyObject* py_remove(PyObject*, PyObject* entries) {
+PyObject* py_remove(PyObject*, PyObject* controllers) {
   static PyObject* key = PyUnicode_InternFromString("forward");
-  if (!PyList_Check(entries)) return PyErr_Format(PyExc_TypeError, "remove() takes a list");
-  Py_ssize_t n = PyList_GET_SIZE(entries);
+  if (!PyList_Check(controllers)) return PyErr_Format(PyExc_TypeError, "remove() takes a list");
+  Py_ssize_t n = PyList_GET_SIZE(controllers);
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject* e = PyList_GET_ITEM(entries, i);
-    PyObject* d = PyTuple_GET_ITEM(e, 0);
-    PyObject* own = PyTuple_GET_ITEM(e, 2);
-    if (own == Py_None) {
-      if (PyDict_DelItem(d, key) < 0) PyErr_Clear();
-    } else if (PyDict_SetItem(d, key, own) < 0) {
+    Controller* c = as_controller(PyList_GET_ITEM(controllers, i));
+    if (!c) return nullptr;
+    if (c->replaced == Py_None) {
+      if (PyDict_DelItem(c->owner, key) < 0) PyErr_Clear();
+    } else if (PyDict_SetItem(c->owner, key, c->replaced) < 0) {
       return nullptr;
     }
   }
@@ -814,27 +793,39 @@ Py_ssize_t member_offset(PyObject* type, const char* name) {
   return off;
 }
 
-// set_types(Location, Block, Interleaver): the classes the fast path recognises, and where their
-// slots live.
+// set_types(Location, Block, Wait, Interleaver): the classes the fast path recognises, and where
+// the named fields it reads and writes live.
 PyObject* py_set_types(PyObject*, PyObject* args) {
-  PyObject *loc, *blk, *ker;
-  if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &ker)) return nullptr;
-  ker_off = {member_offset(ker, "current"), member_offset(ker, "position"), member_offset(ker, "batch_size"),
-             member_offset(ker, "budget")};
-  if (ker_off.current < 0 || ker_off.position < 0 || ker_off.batch_size < 0 || ker_off.budget < 0) return nullptr;
-  Py_ssize_t offs[10] = {member_offset(loc, "key"),   member_offset(loc, "occ"),   member_offset(loc, "keys"),
-                        member_offset(blk, "coro"),  member_offset(blk, "state"), member_offset(blk, "rows"),
-                        member_offset(blk, "step"),  member_offset(blk, "order"), member_offset(blk, "waiting"),
-                        member_offset(blk, "done")};
-  for (Py_ssize_t off : offs) {
-    if (off < 0) return nullptr;
+  PyObject *loc, *blk, *wt, *ker;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &wt, &PyType_Type,
+                        &ker)) {
+    return nullptr;
   }
-  loc_off = {offs[0], offs[1], offs[2]};
-  blk_off = {offs[3], offs[4], offs[5], offs[6], offs[7], offs[8], offs[9]};
+  const char* ker_names[] = {"current", "position", "batch_size", "budget"};
+  const char* loc_names[] = {"key", "occ", "keys"};
+  const char* blk_names[] = {"coro", "state", "rows", "step", "order", "waiting", "done"};
+  const char* wait_names[] = {"order", "block", "trap", "step", "occ", "gather", "item"};
+  Py_ssize_t k[4], l[3], b[7], w[7];
+  for (int i = 0; i < 4; i++) {
+    if ((k[i] = member_offset(ker, ker_names[i])) < 0) return nullptr;
+  }
+  for (int i = 0; i < 3; i++) {
+    if ((l[i] = member_offset(loc, loc_names[i])) < 0) return nullptr;
+  }
+  for (int i = 0; i < 7; i++) {
+    if ((b[i] = member_offset(blk, blk_names[i])) < 0) return nullptr;
+    if ((w[i] = member_offset(wt, wait_names[i])) < 0) return nullptr;
+  }
+  ker_off = {k[0], k[1], k[2], k[3]};
+  loc_off = {l[0], l[1], l[2]};
+  blk_off = {b[0], b[1], b[2], b[3], b[4], b[5], b[6]};
+  wait_off = {w[0], w[1], w[2], w[3], w[4], w[5], w[6]};
   Py_INCREF(loc);
   Py_XSETREF(location_type, loc);
   Py_INCREF(blk);
   Py_XSETREF(block_type, blk);
+  Py_INCREF(wt);
+  Py_XSETREF(wait_type, wt);
   Py_RETURN_NONE;
 }
 
@@ -845,38 +836,23 @@ PyMethodDef more_functions[] = {
 }  // namespace
 
 void asyncpp::register_controllers(pybind11::module_& m) {
-  str_visit = PyUnicode_InternFromString("visit");
-  str_visit_output = PyUnicode_InternFromString("visit_output");
-  s_keys = PyUnicode_InternFromString("keys");
-  s_rows = PyUnicode_InternFromString("rows");
-  s_position = PyUnicode_InternFromString("position");
-  s_current = PyUnicode_InternFromString("current");
-  s_waiting = PyUnicode_InternFromString("waiting");
-  s_coro = PyUnicode_InternFromString("coro");
-  s_state = PyUnicode_InternFromString("state");
-  s_kind = PyUnicode_InternFromString("kind");
-  s_occ = PyUnicode_InternFromString("occ");
-  s_step = PyUnicode_InternFromString("step");
-  s_key = PyUnicode_InternFromString("key");
-  s_order = PyUnicode_InternFromString("order");
-  s_index = PyUnicode_InternFromString("index");
   for (PyMethodDef* d = more_functions; d->ml_name; d++) {
     PyObject* f = PyCFunction_New(d, nullptr);
     if (!f) throw pybind11::error_already_set();
     m.add_object(d->ml_name, f);
   }
 
-  RunSlotType.tp_name = "asyncpp_native.RunSlot";
-  RunSlotType.tp_basicsize = sizeof(RunSlot);
-  RunSlotType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
-  RunSlotType.tp_doc = "The run a model's controllers serve (shared by all of them).";
-  RunSlotType.tp_new = slot_new;
-  RunSlotType.tp_dealloc = slot_dealloc;
-  RunSlotType.tp_traverse = slot_traverse;
-  RunSlotType.tp_clear = slot_clear;
-  RunSlotType.tp_methods = slot_methods;
-  RunSlotType.tp_members = slot_members;
-  if (PyType_Ready(&RunSlotType) < 0) throw pybind11::error_already_set();
+  RunLinkType.tp_name = "asyncpp_native.RunLink";
+  RunLinkType.tp_basicsize = sizeof(RunLink);
+  RunLinkType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  RunLinkType.tp_doc = "The link between a model's controllers and the run they serve (shared by all of them).";
+  RunLinkType.tp_new = link_new;
+  RunLinkType.tp_dealloc = link_dealloc;
+  RunLinkType.tp_traverse = link_traverse;
+  RunLinkType.tp_clear = link_clear;
+  RunLinkType.tp_methods = link_methods;
+  RunLinkType.tp_members = link_members;
+  if (PyType_Ready(&RunLinkType) < 0) throw pybind11::error_already_set();
 
   ControllerType.tp_name = "asyncpp_native.Controller";
   ControllerType.tp_basicsize = sizeof(Controller);
@@ -891,8 +867,8 @@ void asyncpp::register_controllers(pybind11::module_& m) {
   ControllerType.tp_members = controller_members;
   if (PyType_Ready(&ControllerType) < 0) throw pybind11::error_already_set();
 
-  Py_INCREF(&RunSlotType);
-  m.add_object("RunSlot", reinterpret_cast<PyObject*>(&RunSlotType));
+  Py_INCREF(&RunLinkType);
+  m.add_object("RunLink", reinterpret_cast<PyObject*>(&RunLinkType));
   Py_INCREF(&ControllerType);
   m.add_object("Controller", reinterpret_cast<PyObject*>(&ControllerType));
   for (PyMethodDef* d = module_functions; d->ml_name; d++) {

@@ -27,12 +27,12 @@ def _run(model: nn.Module, blocks: list, seconds: float | None, fast: bool = Tru
     """One forward of a 2-row batch, blocks[i] on row i, the way the vLLM worker drives them."""
     tree, modules, paths = build_tree(model, {})
     controllers = Controllers(modules)
-    kernel = Interleaver(paths, 2, step_index=0, slot=controllers.slot)
+    kernel = Interleaver(paths, 2, step_index=0, link=controllers.link)
     controllers.install(kernel)
     if seconds is not None:
         kernel.budget = StepBudget(seconds)
     if not fast:  # every resume through the kernel's Python code (else plain reads resume natively)
-        controllers.slot.fast = False
+        controllers.link.fast = False
     try:
         with kernel.active():
             started = [kernel.start(b(tree), i, (i, i + 1), name=b.__name__) for i, b in enumerate(blocks)]

@@ -14,6 +14,7 @@ import torch
 from test_pp_transport import _run
 
 import asyncpp
+from asyncpp.kernel.hooks import RunHooks
 from asyncpp.kernel.interleaver import Interleaver
 from asyncpp.locations.tree import tree_from_paths
 from asyncpp.pp.merge import merge
@@ -26,8 +27,9 @@ A, B = torch.arange(6.0).reshape(2, 3), torch.full((2, 3), 7.0)
 
 def _stage(svc: Any, rank: int) -> tuple[Interleaver, StageSession, Any]:
     own = Ownership(ENTRIES, [LOCAL, 0, 1], 2)
-    kernel = Interleaver(own.paths, 2)
-    session = StageSession(kernel, own, rank, svc, lambda block: 5)
+    session = StageSession(own, rank, svc, lambda block: 5)
+    kernel = Interleaver(own.paths, 2, hooks=RunHooks(**session.hooks()))
+    session.attach(kernel)
     return kernel, session, tree_from_paths(ENTRIES)
 
 

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import batching
+from .answers import PARKED, RUN_BACKWARD, Throw
 from .batching import _rebuild, narrow
-from .errors import AsyncppError
+from .errors import AsyncppError, NeverReachedError, OrderError, WriteError
 from .traps import BACKWARD, GRAD
 
 # ------------------------------------------------------------------------------------------------
@@ -215,3 +217,161 @@ def split_keys(value: Any, keys: tuple) -> tuple[Any, tuple]:
             return value, keys[i:]
         value = value[k]
     return value, ()
+
+
+# ------------------------------------------------------------------------------------------------
+# the interleaver's handlers of the backward traps (``k`` is the interleaver)
+
+
+def on_backward(k: Any, block: Any, session: Backward) -> Any:
+    """``async with asyncpp.backward(...)``: open the session, or close it (running the pass if
+    nothing in the body did, or waiting until the running one ends)."""
+    if session.op == "open":
+        if not k.grad:
+            return Throw(
+                AsyncppError(
+                    "asyncpp.backward() needs a trace with gradients: asyncpp.trace(engine, grad=True) "
+                    "on a LocalEngine (vLLM runs the model under inference mode, without gradients)"
+                )
+            )
+        if block.session is not None:
+            return Throw(AsyncppError("a block can drive one asyncpp.backward(...) at a time"))
+        if session.state != "new":
+            return Throw(AsyncppError("this asyncpp.backward(...) was already used; make a new one"))
+        session.state, session.block = "open", block
+        block.session = session
+        return session
+    if block.session is not session:
+        return None
+    if session.state == "open":
+        return RUN_BACKWARD
+    if session.state == "running":
+        return PARKED  # resumed by run_backward when the pass ends
+    block.session = None
+    return None
+
+
+def on_grad(k: Any, block: Any, wait: GradWait) -> Any:
+    """``await loc.grad`` / ``await loc.grad.set(g)`` inside a backward session."""
+    if wait.replace:
+        try:
+            block.writes.remove(wait)
+        except ValueError:
+            pass
+    session = block.session
+    what = wait.describe()
+    if session is None or session.state == "done":
+        return Throw(
+            AsyncppError(
+                f"{what} can only be awaited inside `async with asyncpp.backward(loss):` in the "
+                f"block that awaited {wait.target.describe()} in the forward"
+            )
+        )
+    target = wait.target
+    seen = None if block.seen is None else block.seen.get((target.key, block.step, target.occ))
+    if seen is None:
+        return Throw(
+            AsyncppError(
+                f"{what}: the block did not await {target.describe()} in the forward; await the "
+                f"location first (its value is what the gradient is taken with respect to)"
+            )
+        )
+    tensor, rest = split_keys(seen, target.keys)
+    if not isinstance(tensor, torch.Tensor):
+        return Throw(AsyncppError(f"{what}: the value there is a {type(tensor).__name__}, not a tensor"))
+    tid = id(tensor)
+    serving = session.serving
+    if serving is not None and serving[0] == tid:  # the gradient being served right now
+        return _grad_now(session, wait, serving[1], rest)
+    if tid in session.fired:
+        return Throw(
+            OrderError(
+                f"{what} has already passed in this backward pass: await gradients in the order "
+                f"the backward reaches them, from the loss back towards the inputs"
+            )
+        )
+    session.waiting = (tid, wait, rest)
+    return RUN_BACKWARD if session.state == "open" else PARKED
+
+
+def _grad_now(session: Backward, wait: GradWait, gradient: Any, rest: tuple) -> Any:
+    """Serve ``wait`` with the gradient arriving now (the value the hook will pass on)."""
+    current = gradient if session.replacement is None else session.replacement
+    if not wait.replace:
+        return batching.get_item(current, rest) if rest else current
+    where = wait.describe()
+    new = wait.value
+    if rest:  # a part of the gradient (loc[:, -1].grad): assigned into a copy of it
+        current = current.clone()
+        batching.get_item(current, rest[:-1])[rest[-1]] = new
+        new = current
+    elif not isinstance(new, torch.Tensor) or new.shape != gradient.shape:
+        shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+        return Throw(
+            WriteError(f"{where}: the replacement has shape {shape}, the gradient {tuple(gradient.shape)}")
+        )
+    session.replacement = new
+    return None
+
+
+def run_backward(k: Any, block: Any) -> None:
+    """Run the backward pass of ``block``'s session; hooks on the values it awaited resume it."""
+    session = block.session
+    session.state = "running"
+    targets: dict[int, torch.Tensor] = {}
+    for value in (block.seen or {}).values():
+        for t in tensors_of(value):
+            if t.requires_grad:
+                targets[id(t)] = t
+    handles = [t.register_hook(_grad_hook(k, session, tid)) for tid, t in targets.items()]
+    error: BaseException | None = None
+    try:
+        torch.autograd.backward(
+            session.loss, session.gradient, retain_graph=session.retain_graph, inputs=session.inputs
+        )
+    except Exception as err:
+        error = err
+    finally:
+        for h in handles:
+            h.remove()
+    session.state = "done"
+    if error is None and session.error is not None:
+        error = session.error
+    if block.done:
+        return
+    waiting = block.waiting
+    block.waiting = None
+    if getattr(waiting, "TRAP", None) == GRAD:
+        session.waiting = None
+        if error is None:
+            error = NeverReachedError(
+                f"{waiting.describe()} was never reached: the backward pass of the loss (from "
+                f"{session.line}) ended without a gradient for it (the loss does not depend on it)"
+            )
+    elif waiting is session:
+        block.session = None
+    elif error is None:
+        return  # parked elsewhere (a forward location): nothing to resume here
+    k._resume(block, None, error)
+
+
+def _grad_hook(k: Any, session: Backward, tid: int):
+    def hook(gradient: torch.Tensor):
+        session.fired.add(tid)
+        w = session.waiting
+        if w is None or w[0] != tid or session.block.done:
+            return None
+        session.waiting = None
+        session.serving, session.replacement = (tid, gradient), None
+        block = session.block
+        try:
+            value = _grad_now(session, w[1], gradient, w[2])
+            if type(value) is Throw:
+                k._resume(block, None, value.exc)
+            else:
+                k._resume(block, value, None)
+        finally:
+            session.serving = None
+        return session.replacement
+
+    return hook

@@ -69,6 +69,15 @@ class Slot:
             raise SlotError(f"slot {self.name!r} has no value yet: await it")
         return self._value
 
+    def add_waiter(self, kernel: Any, block: Any, gather: Any = None, item: int = 0) -> None:
+        """Wake ``block`` through ``kernel`` when the slot is set (``gather``: the block awaits the
+        slot as item ``item`` of an ``asyncpp.gather``)."""
+        self._waiters.append((kernel, block, gather, item))
+
+    def forget(self, block: Any) -> None:
+        """Stop waking ``block`` (its run ended, or it was closed)."""
+        self._waiters = [w for w in self._waiters if w[1] is not block]
+
     def set(self, value: Any) -> None:
         """Give the slot its value and wake every block waiting on it."""
         if self._value is not _UNSET:

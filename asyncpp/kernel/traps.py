@@ -1,7 +1,7 @@
 """The trap protocol: the only messages a block may yield to the interleaver.
 
 A block suspends by awaiting one of these objects; each ``__await__`` yields the object itself, and
-the interleaver dispatches on its ``TRAP`` tag. Anything else that reaches the interleaver (an asyncio
+the interleaver dispatches on its ``TRAP`` code. Anything else that reaches the interleaver (an asyncio
 future, a bare ``yield`` from ``asyncio.sleep(0)``) is foreign and is thrown back at the block's own
 ``await`` as :class:`~asyncpp.kernel.errors.ForeignAwaitError`.
 
@@ -19,7 +19,7 @@ SKIP = 3  # supply the output instead of running the module
 
 KIND_NAMES = ("input", "inputs", "output", "skip")
 
-# trap tags
+# trap codes (what the interleaver dispatches on)
 READ, WRITE, STEP, SLOT, GATHER, PULL = range(6)  # PULL: a cross-stage value (asyncpp.pp)
 BACKWARD, GRAD = 6, 7  # a backward pass a block drives, and a gradient at a location (kernel.grad)
 

@@ -86,10 +86,11 @@ def load() -> ModuleType:
             raise _error
         try:
             module = _build()
-            from ..kernel.interleaver import Block, Interleaver
+            from ..kernel.block import Block, Wait
+            from ..kernel.interleaver import Interleaver
             from ..locations.location import Location
 
-            module.set_types(Location, Block, Interleaver)
+            module.set_types(Location, Block, Wait, Interleaver)
             from ..kernel import batching
 
             batching.use_native(module.narrow_rows)  # the fast path recognises plain reads by type

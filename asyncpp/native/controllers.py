@@ -1,17 +1,43 @@
-"""Per-module controllers: the hot path of a local run.
+"""Per-module controllers: the hot path of a local run, and their contract with the kernel.
 
 During a run every module's ``forward`` is shadowed by a controller (an instance attribute, so the
 module's own ``__call__`` wrappers still run). A call of a module nobody waits on costs a set lookup
 before and after the call and a counter bump; a call some block waits on goes to the interleaver's
 ``visit``. Between runs the controllers are removed: the model carries no asyncpp state.
 
-The controllers are native (csrc/controller.cpp) when the extension is available; the Python ones
-here do the same, slower, when it is switched off (``ASYNCPP_TLS_SWAP=0``).
+The controllers are native (csrc/controller.cpp) when the extension is available, with a fast path
+that serves plain reads in C; the Python ones here (:class:`PyRunLink`, :func:`py_controller`) are
+their twin without the fast path, so every call goes through the interleaver, which owns the
+semantics. ``ASYNCPP_CONTROLLERS=python`` selects the twin while the rest of the extension (the
+thread-local-state swap) stays on: the test suite runs both ways.
+
+The contract. All controllers of a model share one run link (``RunLink`` natively, the twin
+:class:`PyRunLink`). ``link.attach(**fields)`` hands it a run's fields by name
+(``Interleaver.link_fields()``):
+
+* ``kernel``: the interleaver; ``hot_in`` / ``hot_out``: sets of module indices some wait refers to
+  at the input stage / output; ``counts``: completed calls per module in the current step (list);
+  these are read once and mutated in place by the kernel;
+* ``visit(index, forward, args, kwargs)`` / ``visit_output(index, out)``: a hot call;
+* for the native fast path only: ``waits`` (wait key -> list of ``kernel.block.Wait``),
+  ``refs_out``, ``ready``, ``resume(block, value, exc, msg, entered)``, ``complete(block, value)``,
+  ``fail(block, exc)``, ``serve()``, ``budget_enter(block)`` / ``budget_leave(block)``, ``special``
+  (modules whose values the kernel transforms, left to it) and ``fast`` (whether the fast path may
+  serve: derived from the run's hooks), ``step`` (the current step; the kernel keeps ``link.step``
+  in sync).
+
+The link's own fields: ``bypass`` (set by the kernel while a block's code runs: the block's own
+module calls run plainly), ``in_visit``, ``visit_index``, ``visit_n`` and ``visit_out`` (the call
+the fast path is serving; a block's write there replaces ``visit_out``). Besides these the fast path
+reads and writes named fields of the kernel's classes (offsets looked up once by ``set_types``):
+``Location.key/occ/keys``, ``Block.coro/state/rows/step/order/waiting/done``, every field of
+``Wait``, and ``Interleaver.current/position/batch_size/budget``.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -20,58 +46,85 @@ from torch import nn
 
 from . import enabled, load
 
+ENV_CONTROLLERS = "ASYNCPP_CONTROLLERS"  # "python": the Python twin even when the extension is on
 
-class PyRunSlot:
-    """The run a model's controllers serve (the Python twin of the native ``RunSlot``)."""
 
-    __slots__ = ("kernel", "hot_in", "hot_out", "counts", "bypass", "step", "fast", "in_visit")
+def python_controllers() -> bool:
+    """Whether runs use the Python controllers (the extension is off, or the twin is asked for)."""
+    return not enabled() or os.environ.get(ENV_CONTROLLERS, "").strip().lower() == "python"
+
+
+class PyRunLink:
+    """The run a model's controllers serve (the Python twin of the native ``RunLink``)."""
+
+    __slots__ = ("kernel", "hot_in", "hot_out", "counts", "visit", "visit_output", "bypass", "step", "fast")
 
     def __init__(self):
         self.step = 0
-        self.fast = self.in_visit = False  # the single-read fast path is native only
+        self.fast = False  # the single-read fast path is native only
         self.kernel: Any = None
         self.hot_in: set = set()
         self.hot_out: set = set()
         self.counts: list = []
+        self.visit = self.visit_output = None
         self.bypass = False
 
-    def activate(self, kernel: Any) -> None:
-        self.kernel, self.hot_in, self.hot_out = kernel, kernel.hot_in, kernel.hot_out
-        self.counts, self.bypass = kernel.counts, False
+    @property
+    def in_visit(self) -> bool:
+        return False  # (no fast path: no call is ever being served here)
 
-    def deactivate(self) -> None:
-        self.kernel, self.bypass = None, False
+    def attach(
+        self,
+        *,
+        kernel: Any,
+        hot_in: set,
+        hot_out: set,
+        counts: list,
+        visit: Any,
+        visit_output: Any,
+        step: int,
+        **native_only: Any,
+    ) -> None:
+        self.kernel, self.hot_in, self.hot_out, self.counts = kernel, hot_in, hot_out, counts
+        self.visit, self.visit_output = visit, visit_output
+        self.step, self.bypass = step, False
+
+    def detach(self) -> None:
+        self.kernel = self.visit = self.visit_output = None
+        self.bypass = False
 
 
-def py_controller(slot: PyRunSlot, index: int, forward: Callable, replaced: Any) -> Callable:
+def py_controller(link: PyRunLink, index: int, forward: Callable, replaced: Any, owner: dict) -> Callable:
     def controller(*args, **kwargs):
-        kernel = slot.kernel
-        if kernel is None or slot.bypass:
+        if link.kernel is None or link.bypass:
             return forward(*args, **kwargs)
-        if index in slot.hot_in:
-            return kernel.visit(index, forward, args, kwargs)
+        if index in link.hot_in:
+            return link.visit(index, forward, args, kwargs)
         out = forward(*args, **kwargs)
-        if index in slot.hot_out:  # a block waits on this call's output (perhaps since it began)
-            return kernel.visit_output(index, out)
-        slot.counts[index] += 1
+        if link.kernel is None:  # the run ended while this call ran (an aborted run)
+            return out
+        if index in link.hot_out:  # a block waits on this call's output (perhaps since it began)
+            return link.visit_output(index, out)
+        link.counts[index] += 1
         return out
 
     controller.__wrapped__ = forward  # type: ignore[attr-defined]
     controller.asyncpp_replaced = replaced  # type: ignore[attr-defined]
+    controller.owner = owner  # type: ignore[attr-defined]
     return controller
 
 
-def _py_install(entries: list) -> None:
-    for d, ctrl, _ in entries:
-        d["forward"] = ctrl
+def _py_install(controllers: list) -> None:
+    for c in controllers:
+        c.owner["forward"] = c
 
 
-def _py_remove(entries: list) -> None:
-    for d, _, own in entries:
-        if own is None:
-            d.pop("forward", None)
+def _py_remove(controllers: list) -> None:
+    for c in controllers:
+        if c.asyncpp_replaced is None:
+            c.owner.pop("forward", None)
         else:
-            d["forward"] = own
+            c.owner["forward"] = c.asyncpp_replaced
 
 
 def _weak_forward(module: nn.Module) -> Callable:
@@ -94,17 +147,18 @@ def _weak_forward(module: nn.Module) -> Callable:
 
 
 class Controllers:
-    """The controllers of one model and their shared slot, installed for a run and removed after."""
+    """The controllers of one model and their shared link, installed for a run and removed after."""
 
     def __init__(self, modules: list[nn.Module]):
-        native = load() if enabled() else None
-        if native is not None:
-            self.slot = native.RunSlot()
-            make, self._install, self._remove = native.Controller, native.install, native.remove
-        else:
-            self.slot = PyRunSlot()
+        if python_controllers():
+            self.link: Any = PyRunLink()
             make, self._install, self._remove = py_controller, _py_install, _py_remove
-        self._entries: list = []
+        else:
+            native = load()
+            self.link = native.RunLink()
+            make, self._install, self._remove = native.Controller, native.install, native.remove
+        self.native = not isinstance(self.link, PyRunLink)
+        self._controllers: list = []
         for index, module in enumerate(modules):
             if module is None:  # a module this process does not hold (another pipeline stage's)
                 continue
@@ -117,12 +171,13 @@ class Controllers:
                 forward = _weak_forward(module)
             else:
                 forward = type(module).forward.__get__(module)
-            self._entries.append((module.__dict__, make(self.slot, index, forward, own), own))
+            self._controllers.append(make(self.link, index, forward, own, module.__dict__))
 
     def install(self, kernel: Any) -> None:
-        self.slot.activate(kernel)
-        self._install(self._entries)
+        """Attach ``kernel``'s run to the link and shadow every module's forward."""
+        self.link.attach(**kernel.link_fields())
+        self._install(self._controllers)
 
     def remove(self) -> None:
-        self._remove(self._entries)
-        self.slot.deactivate()
+        self._remove(self._controllers)
+        self.link.detach()

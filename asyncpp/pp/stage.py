@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..kernel import batching
-from ..kernel.interleaver import MISS, PARKED, Block, Interleaver, _Throw
+from ..kernel.answers import MISS, PARKED, Throw
+from ..kernel.block import Block
+from ..kernel.interleaver import Interleaver
 from ..kernel.traps import KIND_NAMES, WRITE
 from .ownership import LOCAL, Ownership
 from .remote import _UNSET, Lazy, LazyValue, RemoteValue, Resolver, set_resolver
@@ -49,8 +51,8 @@ class _Parked:
 class StageSession(Resolver):
     """Hooks and serve points of one stage; ``req_of(block)`` is the block's request number."""
 
-    def __init__(self, kernel: Interleaver, ownership: Ownership, stage: int, service: Any, req_of: Any):
-        self.kernel = kernel
+    def __init__(self, ownership: Ownership, stage: int, service: Any, req_of: Any):
+        self.kernel: Interleaver | None = None  # set by attach()
         self.ownership = ownership
         self.owners = ownership.owners
         self._stage = stage
@@ -58,9 +60,17 @@ class StageSession(Resolver):
         self.req_of = req_of
         self.parked: list[_Parked] = []
         self.outside = False  # at a serve point outside the forward: any produced value may be pulled
-        kernel.intercept = self.intercept
-        kernel.publish = self.publish
-        kernel.on_pull = self.on_pull
+
+    def hooks(self) -> dict[str, Any]:
+        """The stage's run hooks, for ``RunHooks.with_(**session.hooks())``."""
+        return {"intercept": self.intercept, "publish": self.publish, "on_pull": self.on_pull}
+
+    def attach(self, kernel: Interleaver) -> None:
+        """Serve ``kernel``'s blocks (created with this session's hooks); forcing a lazy value on
+        this process asks this session from now on."""
+        if kernel.hooks.intercept != self.intercept:
+            raise ValueError("attach(): create the interleaver with this session's hooks() first")
+        self.kernel = kernel
         set_resolver(self)
 
     # --- interleaver hooks -----------------------------------------------------------------------
@@ -69,7 +79,7 @@ class StageSession(Resolver):
         try:
             return self._intercept(block, trap, occ)
         except Exception as err:  # fails the block, never the forward
-            return _Throw(err)
+            return Throw(err)
 
     def _intercept(self, block: Block, trap: Any, occ: int) -> Any:
         target = trap.target if trap.TRAP == WRITE else trap
@@ -92,10 +102,10 @@ class StageSession(Resolver):
             return
         kernel = self.kernel
         key = index * 4 + kind
-        request_level = index in kernel.request_level
+        request_level = index in kernel.hooks.request_level
         seen: set[int] = set()
         for w in due:
-            block = w[1]
+            block = w.block
             if id(block) in seen:
                 continue
             seen.add(id(block))
@@ -115,11 +125,11 @@ class StageSession(Resolver):
             try:
                 return lazy.force()
             except Exception as err:
-                return _Throw(err)
+                return Throw(err)
         try:
             handles = self._request(lazy)
         except Exception as err:  # the pull cannot be made at all: raised at the block's await
-            return _Throw(err)
+            return Throw(err)
         self.parked.append(_Parked(block, lazy, handles))
         return PARKED
 
@@ -184,7 +194,7 @@ class StageSession(Resolver):
                 value = entry.lazy.force()
             except Exception as err:
                 entry.cancel(service)
-                kernel.wake(block, _Throw(err))
+                kernel.wake(block, Throw(err))
             else:
                 kernel.wake(block, value)
         kernel.serve()

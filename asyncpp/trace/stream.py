@@ -26,12 +26,12 @@ def emit(value: Any) -> None:
     block = None if kernel is None else kernel.current
     if block is None:
         raise AsyncppError("asyncpp.emit() can only be called from inside an intervention block")
-    if kernel.on_emit is None:
+    if kernel.hooks.on_emit is None:
         raise AsyncppError(
             "this engine does not stream values from blocks (streaming runs on a LocalEngine); "
             "return the values from the block instead"
         )
-    kernel.on_emit(block, detach(value))
+    kernel.hooks.on_emit(block, detach(value))
 
 
 EMIT = "emit"  # a value a block emitted

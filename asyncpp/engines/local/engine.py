@@ -18,6 +18,7 @@ from torch import nn
 
 from ...kernel.batching import narrow
 from ...kernel.errors import AsyncppError
+from ...kernel.hooks import RunHooks
 from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree
 from ...native import tls
@@ -141,17 +142,17 @@ class LocalEngine(Engine):
     def _execute(self, spec: RunSpec) -> RunOutcome:
         call, rows, out_rows, batch_size, prompt_len = self._prepare(spec)
         switch = self.switch
+        outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         kernel = Interleaver(
             self.paths,
             batch_size,
             step_index=0,
             switch=switch,
-            slot=self._controllers.slot,
+            hooks=RunHooks(on_emit=_emitter(outcome, spec.sink)),
+            link=self._controllers.link,
             tls_template=None if switch is None else self._tls_template(switch, spec.grad),
             grad=spec.grad,
         )
-        outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
-        kernel.on_emit = _emitter(outcome, spec.sink)
         lock = self._lock
         if lock.owner == threading.get_ident():
             raise AsyncppError(
@@ -160,9 +161,7 @@ class LocalEngine(Engine):
                 f"for itself forever. Start the second trace after the first one, or on another model"
             )
         with lock:
-            self._controllers.install(kernel)
-            if spec.grad:  # served values must be kept per block (kernel.grad): no native fast path
-                self._controllers.slot.fast = False
+            self._controllers.install(kernel)  # (a gradient run keeps the native fast path off)
             try:
                 with kernel.active(), torch.set_grad_enabled(spec.grad):
                     for order, inv in enumerate(spec.invokes):
@@ -226,7 +225,7 @@ class LocalEngine(Engine):
                 expand, out_factor = _expansion(model, gen)
                 rows_in = sum(sizes)
                 hook = model.register_forward_pre_hook(
-                    _batch_check(self._controllers.slot, rows_in * expand, rows_in, expand), with_kwargs=True
+                    _batch_check(self._controllers.link, rows_in * expand, rows_in, expand), with_kwargs=True
                 )
 
                 def call():
@@ -313,12 +312,12 @@ def _expansion(model: nn.Module, gen: dict) -> tuple[int, int]:
     return max(beams, sequences), sequences
 
 
-def _batch_check(slot: Any, expected: int, prompts: int, expand: int):
+def _batch_check(link: Any, expected: int, prompts: int, expand: int):
     """A pre-hook on the root that refuses a generation step whose batch is not the one the
     invokes' rows were laid out for (a generation mode that reshapes the batch another way)."""
 
     def check(module: nn.Module, args: tuple, kwargs: dict):
-        if slot.bypass:  # a block calling the model itself
+        if link.bypass:  # a block calling the model itself
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() and ids.shape[0] != expected:

@@ -27,9 +27,11 @@ from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from ...kernel.block import Block
 from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError
-from ...kernel.interleaver import Block, Interleaver
+from ...kernel.hooks import RunHooks
+from ...kernel.interleaver import Interleaver
 from ...locations.tree import build_tree, tree_from_paths
 from ...native import tls
 from ...native.controllers import Controllers
@@ -118,19 +120,28 @@ class WorkerSession:
             self.local_tree, self.graft_cost = pipeline.local, pipeline.cost
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
         self.controllers = Controllers(modules)
-        kernel = Interleaver(self.paths, 0, step_index=0, switch=tls.get_switch(), slot=self.controllers.slot)
-        kernel.on_step = self._on_step
-        kernel.on_emit = self._on_emit
-        kernel.request_level = frozenset(
-            i for i, p in enumerate(self.paths) if _under(p, "logits_processor") or _under(p, "sampler")
+        shard_out, shard_in = find_shardings(modules, self.paths)
+        hooks = RunHooks(
+            on_step=self._on_step,
+            on_emit=self._on_emit,
+            request_level=frozenset(
+                i for i, p in enumerate(self.paths) if _under(p, "logits_processor") or _under(p, "sampler")
+            ),
+            shard_out=shard_out,
+            shard_in=shard_in,
+            # the sampler edits the logits in place (temperature): blocks keep what they were served
+            copy_after=frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor"),
         )
-        kernel.shard_out, kernel.shard_in = find_shardings(modules, self.paths)
-        # the sampler edits the logits in place (temperature): blocks keep what they were served
-        kernel.copy_after = frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor")
-        self.kernel = kernel
         if pipeline is not None:
-            self.stage = StageSession(kernel, ownership, pipeline.stage, pipeline.service, self._num_of)
+            self.stage = StageSession(ownership, pipeline.stage, pipeline.service, self._num_of)
+            hooks = hooks.with_(**self.stage.hooks())
             log.info(ownership.describe(pipeline.stage))
+        kernel = Interleaver(
+            self.paths, 0, step_index=0, hooks=hooks, switch=tls.get_switch(), link=self.controllers.link
+        )
+        if self.stage is not None:
+            self.stage.attach(kernel)
+        self.kernel = kernel
         self.requests: dict[str, _Request] = {}  # vLLM request id -> request with a block
         self.by_aid: dict[str, str] = {}  # caller id -> vLLM request id
         self.scheduled: dict[str, int] = {}
@@ -198,8 +209,7 @@ class WorkerSession:
         starts = runner.query_start_loc.np
         n = batch.num_reqs
         kernel = self.kernel
-        kernel.batch_size = int(starts[n])
-        kernel.req_batch = n
+        kernel.set_batch(int(starts[n]), n)
         active = []
         for i, rid in enumerate(batch.req_ids[:n]):
             req = self.requests.get(rid)
@@ -341,14 +351,9 @@ class WorkerSession:
                 self._finish(rid)
 
     def stats(self) -> dict[str, int]:
-        k = self.kernel
         return {
             "requests": len(self.requests),
-            "blocks": len(k.blocks),
-            "waits": sum(len(v) for v in k.waits.values()),
-            "gates": len(k._gates),
-            "hot_in": len(k.hot_in),
-            "hot_out": len(k.hot_out),
+            **self.kernel.stats(),
             "emitting": len(self.of_block),
             "pid": os.getpid(),
             **self._stage_stats(),

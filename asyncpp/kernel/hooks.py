@@ -1,0 +1,66 @@
+"""Run hooks: what an engine adds to the kernel's generic scheduling, handed over at creation.
+
+The interleaver knows nothing of vLLM, tensor parallelism or pipeline stages. An engine that needs
+more than plain forwards builds a :class:`RunHooks` in its own package and passes it to
+``Interleaver(..., hooks=...)``; every hook defaults to off. Whether the native single-read fast
+path may serve a call is derived from the hooks (:attr:`RunHooks.fast_path`,
+:meth:`RunHooks.special_modules`), never from the order in which things were set up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """The engine's hooks of one interleaver (all off by default).
+
+    * ``on_step(step) -> blocks``: called as each forward begins (an engine that batches requests);
+      it sets each taking part block's rows (``block.rows``, ``block.req_rows``), may start new
+      blocks, calls ``kernel.set_batch(...)`` and returns the blocks taking part.
+    * ``on_emit(block, value)``: takes what a block passes to ``asyncpp.emit()``.
+    * ``intercept(block, trap, step, occ) -> value | MISS``: decides, before a block parks on a
+      location, whether it is served elsewhere (a pipeline stage that does not own it).
+    * ``publish(index, kind, n, value, due)``: sees a value after the blocks at a visit some block
+      waited on were served (a pipeline stage publishes it for the other stages).
+    * ``on_pull(block, pull) -> value | Throw | PARKED``: ``await`` of a cross-stage value.
+    * ``request_level``: modules with one row per request (logits, samples), not one per token.
+    * ``shard_out`` / ``shard_in``: module index -> a sharding with ``gather(local)`` and
+      ``split(whole, local)``: outputs / first inputs each tensor-parallel rank holds a slice of,
+      gathered whole for the blocks at a visit some block waits on, split again after.
+    * ``copy_after``: modules whose output the model edits in place after the call (vLLM's sampler
+      divides the logits by the temperature): once blocks have seen it, the model gets a copy.
+    """
+
+    on_step: Callable[[int], list] | None = None
+    on_emit: Callable[[Any, Any], None] | None = None
+    intercept: Callable[[Any, Any, int, int], Any] | None = None
+    publish: Callable[[int, int, int, Any, list], None] | None = None
+    on_pull: Callable[[Any, Any], Any] | None = None
+    request_level: frozenset[int] = frozenset()
+    shard_out: Mapping[int, Any] = field(default_factory=dict)
+    shard_in: Mapping[int, Any] = field(default_factory=dict)
+    copy_after: frozenset[int] = frozenset()
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the native fast path may serve plain reads: only when no hook must see every
+        served value or decide where a location is served."""
+        return self.intercept is None and self.publish is None
+
+    def special_modules(self) -> frozenset[int]:
+        """Modules whose values the kernel transforms on the way (narrowed per request, gathered
+        from shards, copied after): the fast path leaves their calls to the kernel."""
+        return self.request_level | frozenset(self.shard_out) | self.copy_after
+
+    def with_(self, **changes: Any) -> RunHooks:
+        """These hooks with some replaced (an engine adds its pipeline stage's to its own)."""
+        return replace(self, **changes)
+
+
+NO_HOOKS = RunHooks()
+
+__all__ = ["NO_HOOKS", "RunHooks"]
