@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# everything, then the kernel and local tiers again on the pure-Python controllers (the twin of
+# the C ones in csrc/controller.cpp), so that the two cannot drift apart
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	ASYNCPP_CONTROLLERS=python $(BIN)/python -m pytest -q -m "unit or local"
 
 lint: $(STAMP)
 	$(BIN)/ruff check asyncpp tests examples benchmarks

@@ -1,6 +1,15 @@
-"""Shared fixtures: real torch modules and the embedded tiny Llama (built once per session)."""
+"""Shared fixtures: real torch modules and the embedded tiny Llama (built once per session).
+
+The tests come in tiers, one folder each, and each test is marked with its folder's name:
+``unit`` (the kernel, the wire formats, merge, ownership and graft, driven directly), ``local``
+(LocalEngine on real torch and Hugging Face models), ``vllm`` (real vLLM engines and servers on
+CPU) and ``pp`` (pipeline parallel: spawned gloo ranks, and vLLM engines, which are also marked
+``vllm``). ``pytest -m "not vllm"`` is the quick loop; ``pytest`` runs everything.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +85,13 @@ def engine(tiny):
     eng = asyncpp.LocalEngine(model, tok)
     yield eng
     eng.close()
+
+
+TIERS = ("unit", "local", "vllm", "pp")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))

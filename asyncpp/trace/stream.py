@@ -9,11 +9,10 @@ the run there; ``__aexit__`` then waits for that run instead of starting one.
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
+from ..engines.bridge import current_loop, poster
 from ..kernel.batching import detach
 from ..kernel.errors import AsyncppError
 from ..kernel.interleaver import active_interleaver
@@ -63,18 +62,8 @@ class Live:
 
     def bind_loop(self) -> None:
         """Take the running loop's thread-safe entry point and event type."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not None:
-            self.post, self._event_type = loop.call_soon_threadsafe, asyncio.Event
-        elif "trio" in sys.modules:
-            import trio
-
-            self.post, self._event_type = trio.lowlevel.current_trio_token().run_sync_soon, trio.Event
-        else:
-            raise RuntimeError("asyncpp: streams need a running asyncio, uvloop or trio event loop")
+        token = current_loop()  # (one code path for asyncio, uvloop and trio, on anyio)
+        self.post, self._event_type = poster(token), token.backend_class.create_event
         self._changed = self._event_type()
 
     # --- called on the model's thread ------------------------------------------------------------

@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")
 
 pytestmark = pytest.mark.timeout(90)  # the first test also waits for the server (20-40 s)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALICE = {"Authorization": f"Bearer {ALICE_SECRET}"}
 ROOT_TOKEN = {"Authorization": f"Bearer {ROOT_SECRET}"}
 PROMPT = "The cat sat on the"

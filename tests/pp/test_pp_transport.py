@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pull_helpers as ph
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -509,22 +508,3 @@ def test_drain_three_ranks_and_concurrent_pulls(tmp_path: Path) -> None:
     assert sum(s["bytes_out"] for s in stats) == sum(s["bytes_in"] for s in stats) > 0
     # 6 drains and a goodbye: each rank told each of its 2 peers
     assert all(s["ctrl_bytes_out"] == s["ctrl_bytes_in"] == 7 * 2 * HDR for s in stats)
-
-
-# ---------------------------------------------------------------------------------------------- renamed modules
-
-
-def test_vllm_transport_is_a_deprecated_alias_of_packing() -> None:
-    import importlib
-    import sys
-
-    from asyncpp.engines.vllm import packing
-
-    with pytest.warns(DeprecationWarning, match=r"asyncpp\.engines\.vllm\.packing"):
-        if "asyncpp.engines.vllm.transport" in sys.modules:
-            importlib.reload(sys.modules["asyncpp.engines.vllm.transport"])
-        else:
-            importlib.import_module("asyncpp.engines.vllm.transport")
-    old = sys.modules["asyncpp.engines.vllm.transport"]
-    for name in ("RemoteBlockError", "pack_block", "pack_outcome", "unpack_block", "unpack_outcome"):
-        assert getattr(old, name) is getattr(packing, name), name

@@ -23,6 +23,8 @@ from test_pp_engine import (
 
 import asyncpp
 
+pytestmark = pytest.mark.vllm  # real vLLM engines (besides the pp tier)
+
 pytest.importorskip("vllm")
 
 

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.timeout(90)  # the first test also waits for the server (20-40 s)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "asyncpp-tiny-llama"
 ALICE = ALICE_SECRET
 ROOT_TOKEN = ROOT_SECRET

@@ -35,7 +35,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 pytestmark = pytest.mark.timeout(120)  # the first test also waits for the server (20-40 s)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4  # float32: vLLM's CPU kernels (batched with other requests) against Hugging Face
 ALICE = {"Authorization": f"Bearer {ALICE_SECRET}"}
 ROOT_TOKEN = {"Authorization": f"Bearer {ROOT_SECRET}"}

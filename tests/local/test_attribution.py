@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "attribution_patching.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "attribution_patching.py"
 
 
 @pytest.fixture(scope="module")

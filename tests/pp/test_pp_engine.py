@@ -16,6 +16,8 @@ import torch
 
 import asyncpp
 
+pytestmark = pytest.mark.vllm  # real vLLM engines (besides the pp tier)
+
 pytest.importorskip("vllm")
 
 COS = 0.9999
