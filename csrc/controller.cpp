@@ -6,8 +6,8 @@
 // A call some block waits on goes to the interleaver's ``visit`` (Python).
 //
 // The contract with Python (documented with the Python twin, asyncpp/native/controllers.py): the
-// RunLink is shared by all controllers of a model. ``attach(**fields)`` hands it the fields of a run
-// by name (the interleaver's ``link_fields()``): the containers the kernel mutates in place (hot_in,
+// RunLink is shared by all controllers of a model. ``attach(fields)`` hands it the fields of a run
+// by name (the dict of the interleaver's ``link_fields()``): the containers the kernel mutates in place (hot_in,
 // hot_out, counts, waits, refs_out, ready), the kernel's entry points (visit, visit_output, resume,
 // complete, fail, serve, budget_enter, budget_leave), the modules the fast path leaves to the
 // kernel (special) and whether the fast path may serve at all (fast, derived from the run's hooks).
@@ -47,6 +47,8 @@ struct RunLink {
   Py_ssize_t visit_index;
   Py_ssize_t visit_n;
   long step;               // the kernel's current generation step (kept in sync by the kernel)
+  PyObject* pool[64];      // served Waits nobody else holds, reused by try_park (as tuples are)
+  int npool;
   int fast;                // the fast path may serve (the run's hooks allow it)
   int in_visit;            // the fast path is serving visit_index / visit_n
   int bypass;
@@ -99,6 +101,7 @@ int link_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(s->budget_leave);
   Py_VISIT(s->visit_out);
   Py_VISIT(s->special);
+  for (int i = 0; i < s->npool; i++) Py_VISIT(s->pool[i]);
   return 0;
 }
 
@@ -128,6 +131,7 @@ int link_clear(PyObject* o) {
   Py_CLEAR(s->hot_out);
   Py_CLEAR(s->counts);
   drop_run(s);
+  while (s->npool > 0) Py_CLEAR(s->pool[--s->npool]);
   return 0;
 }
 
@@ -151,6 +155,7 @@ PyObject* link_new(PyTypeObject* type, PyObject*, PyObject*) {
   s->budget_enter = s->budget_leave = nullptr;
   s->visit_out = nullptr;
   s->special = nullptr;
+  s->npool = 0;
   s->visit_index = s->visit_n = -1;
   s->step = 0;
   s->fast = s->in_visit = 0;
@@ -162,44 +167,42 @@ PyObject* link_new(PyTypeObject* type, PyObject*, PyObject*) {
   return reinterpret_cast<PyObject*>(s);
 }
 
-// link.attach(**fields): attach a run, its fields given by name (see the comment at the top; the
-// containers are read once, here, so the kernel must mutate them in place). link.detach(): detach it.
-PyObject* link_attach(PyObject* o, PyObject* args, PyObject* kwds) {
-  static const char* names[] = {"kernel",  "hot_in",       "hot_out",      "counts",  "waits", "refs_out",
-                                "ready",   "visit",        "visit_output", "resume",  "complete",
-                                "fail",    "serve",        "budget_enter", "budget_leave",
-                                "special", "fast",         "step",         nullptr};
-  PyObject *kernel, *hot_in, *hot_out, *counts, *waits, *refs_out, *ready, *visit, *visit_output, *resume;
-  PyObject *complete, *fail, *serve, *budget_enter, *budget_leave, *special;
-  int fast;
-  long step;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!O!O!O!O!OOOOOOOOOOpl:attach", const_cast<char**>(names),
-                                   &kernel, &PySet_Type, &hot_in, &PySet_Type, &hot_out, &PyList_Type, &counts,
-                                   &PyDict_Type, &waits, &PyList_Type, &refs_out, &ready, &visit, &visit_output,
-                                   &resume, &complete, &fail, &serve, &budget_enter, &budget_leave, &special,
-                                   &fast, &step)) {
-    return nullptr;
+// link.attach(fields): attach a run, its fields given by name in a dict (the interleaver's
+// link_fields(); see the comment at the top). The containers are read once, here, so the kernel
+// must mutate them in place. link.detach(): detach it.
+const char* field_names[] = {"kernel",  "hot_in",   "hot_out", "counts",       "waits",
+                             "refs_out", "ready",   "visit",   "visit_output", "resume",
+                             "complete", "fail",    "serve",   "budget_enter", "budget_leave",
+                             "special",  "fast",    "step"};
+constexpr int n_fields = sizeof(field_names) / sizeof(field_names[0]);
+PyObject* field_keys[n_fields];
+
+PyObject* link_attach(PyObject* o, PyObject* fields) {
+  if (!PyDict_Check(fields)) return PyErr_Format(PyExc_TypeError, "attach() takes a dict of the run's fields");
+  PyObject* v[n_fields];
+  for (int i = 0; i < n_fields; i++) {
+    v[i] = PyDict_GetItemWithError(fields, field_keys[i]);  // borrowed
+    if (!v[i]) {
+      if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "attach(): the run's fields lack %s", field_names[i]);
+      return nullptr;
+    }
   }
-  PyObject* special_set = PySet_New(special);  // a set of the kernel's own (any iterable is taken)
+  if (!PySet_Check(v[1]) || !PySet_Check(v[2]) || !PyList_Check(v[3]) || !PyDict_Check(v[4]) || !PyList_Check(v[5])) {
+    return PyErr_Format(PyExc_TypeError, "attach(): hot_in/hot_out must be sets, counts/refs_out lists, waits a dict");
+  }
+  const int fast = PyObject_IsTrue(v[16]);
+  const long step = PyLong_AsLong(v[17]);
+  if (fast < 0 || (step == -1 && PyErr_Occurred())) return nullptr;
+  PyObject* special_set = PySet_New(v[15]);  // a set of the link's own (any iterable is taken)
   if (!special_set) return nullptr;
   auto* s = reinterpret_cast<RunLink*>(o);
   drop_run(s);
-  Py_INCREF(kernel);
-  Py_SETREF(s->kernel, kernel);
-  Py_INCREF(hot_in);
-  Py_SETREF(s->hot_in, hot_in);
-  Py_INCREF(hot_out);
-  Py_SETREF(s->hot_out, hot_out);
-  Py_INCREF(counts);
-  Py_SETREF(s->counts, counts);
-  PyObject** fields[] = {&s->waits,    &s->refs_out, &s->ready, &s->visit, &s->visit_output,
-                         &s->resume,   &s->complete, &s->fail,  &s->serve, &s->budget_enter,
-                         &s->budget_leave};
-  PyObject* values[] = {waits, refs_out, ready, visit, visit_output, resume, complete, fail, serve, budget_enter,
-                        budget_leave};
-  for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
-    Py_INCREF(values[i]);
-    *fields[i] = values[i];
+  PyObject** kept[] = {&s->kernel, &s->hot_in,       &s->hot_out, &s->counts,   &s->waits,
+                       &s->refs_out, &s->ready,      &s->visit,   &s->visit_output, &s->resume,
+                       &s->complete, &s->fail,       &s->serve,   &s->budget_enter, &s->budget_leave};
+  for (size_t i = 0; i < sizeof(kept) / sizeof(kept[0]); i++) {
+    Py_INCREF(v[i]);
+    Py_XSETREF(*kept[i], v[i]);
   }
   s->special = special_set;
   s->fast = fast && location_type && wait_type;
@@ -216,8 +219,7 @@ PyObject* link_detach(PyObject* o, PyObject*) {
 }
 
 PyMethodDef link_methods[] = {
-    {"attach", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(link_attach)),
-     METH_VARARGS | METH_KEYWORDS, "Attach a run, its fields given by name (the interleaver's link_fields())."},
+    {"attach", link_attach, METH_O, "Attach a run, its fields given by name in a dict (Interleaver.link_fields())."},
     {"detach", link_detach, METH_NOARGS, "Detach the run."},
     {nullptr, nullptr, 0, nullptr}};
 
@@ -298,11 +300,17 @@ bool ready_empty(RunLink* s) {
   return n == 0;
 }
 
-// A new Wait (the kernel's class, filled as its __init__ would, without running it), or nullptr.
-PyObject* new_wait(PyObject* order, PyObject* block, PyObject* trap, PyObject* step, PyObject* occ) {
-  auto* type = reinterpret_cast<PyTypeObject*>(wait_type);
-  PyObject* w = type->tp_alloc(type, 0);
-  if (!w) return nullptr;
+// A Wait (the kernel's class, filled as its __init__ would, without running it; one served
+// earlier and pooled when there is one), or nullptr.
+PyObject* new_wait(RunLink* s, PyObject* order, PyObject* block, PyObject* trap, PyObject* step, PyObject* occ) {
+  PyObject* w;
+  if (s->npool > 0) {
+    w = s->pool[--s->npool];
+  } else {
+    auto* type = reinterpret_cast<PyTypeObject*>(wait_type);
+    w = type->tp_alloc(type, 0);
+    if (!w) return nullptr;
+  }
   static PyObject* zero = PyLong_FromLong(0);
   slot_set(w, wait_off.order, order);
   slot_set(w, wait_off.block, block);
@@ -341,7 +349,7 @@ int try_park(RunLink* s, PyObject* block, PyObject* msg) {
     PyErr_Clear();
     return 0;
   }
-  PyObject* w = new_wait(order, block, msg, bstep, occ);
+  PyObject* w = new_wait(s, order, block, msg, bstep, occ);
   if (!w) {
     PyErr_Clear();
     return 0;
@@ -608,6 +616,17 @@ int fast_serve(Controller* c, RunLink* s, PyObject* out, PyObject** result) {
     }
     Py_DECREF(block);
   }
+  if (Py_REFCNT(lst) == 1) {  // the served waits nobody else holds go to the pool
+    for (Py_ssize_t i = 0; i < nw && s->npool < 64; i++) {
+      PyObject* w = PyList_GET_ITEM(lst, i);
+      if (Py_REFCNT(w) == 1 && Py_TYPE(w) == reinterpret_cast<PyTypeObject*>(wait_type)) {
+        Py_INCREF(w);
+        slot_set(w, wait_off.block, Py_None);  // (holds no block or trap while pooled)
+        slot_set(w, wait_off.trap, Py_None);
+        s->pool[s->npool++] = w;
+      }
+    }
+  }
   Py_DECREF(lst);
   s->in_visit = 0;
   PyObject* served = s->visit_out;
@@ -836,6 +855,7 @@ PyMethodDef more_functions[] = {
 }  // namespace
 
 void asyncpp::register_controllers(pybind11::module_& m) {
+  for (int i = 0; i < n_fields; i++) field_keys[i] = PyUnicode_InternFromString(field_names[i]);
   for (PyMethodDef* d = more_functions; d->ml_name; d++) {
     PyObject* f = PyCFunction_New(d, nullptr);
     if (!f) throw pybind11::error_already_set();

@@ -10,13 +10,14 @@ path may serve a call is derived from the hooks (:attr:`RunHooks.fast_path`,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunHooks:
-    """The engine's hooks of one interleaver (all off by default).
+    """The engine's hooks of one interleaver (all off by default; treat them as read-only once
+    the interleaver has them: it derives the fast path from them at each run's start).
 
     * ``on_step(step) -> blocks``: called as each forward begins (an engine that batches requests);
       it sets each taking part block's rows (``block.rows``, ``block.req_rows``), may start new
@@ -41,8 +42,8 @@ class RunHooks:
     publish: Callable[[int, int, int, Any, list], None] | None = None
     on_pull: Callable[[Any, Any], Any] | None = None
     request_level: frozenset[int] = frozenset()
-    shard_out: Mapping[int, Any] = field(default_factory=dict)
-    shard_in: Mapping[int, Any] = field(default_factory=dict)
+    shard_out: Mapping[int, Any] | None = None  # (None: no shards)
+    shard_in: Mapping[int, Any] | None = None
     copy_after: frozenset[int] = frozenset()
 
     @property
@@ -54,7 +55,7 @@ class RunHooks:
     def special_modules(self) -> frozenset[int]:
         """Modules whose values the kernel transforms on the way (narrowed per request, gathered
         from shards, copied after): the fast path leaves their calls to the kernel."""
-        return self.request_level | frozenset(self.shard_out) | self.copy_after
+        return self.request_level | frozenset(self.shard_out or ()) | self.copy_after
 
     def with_(self, **changes: Any) -> RunHooks:
         """These hooks with some replaced (an engine adds its pipeline stage's to its own)."""

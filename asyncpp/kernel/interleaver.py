@@ -136,7 +136,7 @@ class Interleaver:
 
     def link_fields(self) -> dict[str, Any]:
         """The fields of this run the per-module controllers read, by name: what
-        ``RunLink.attach(**fields)`` takes (the contract is documented in native/controllers.py)."""
+        ``RunLink.attach(fields)`` takes (the contract is documented in native/controllers.py)."""
         t = self.table
         return {
             "kernel": self,

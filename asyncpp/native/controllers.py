@@ -12,7 +12,7 @@ semantics. ``ASYNCPP_CONTROLLERS=python`` selects the twin while the rest of the
 thread-local-state swap) stays on: the test suite runs both ways.
 
 The contract. All controllers of a model share one run link (``RunLink`` natively, the twin
-:class:`PyRunLink`). ``link.attach(**fields)`` hands it a run's fields by name
+:class:`PyRunLink`). ``link.attach(fields)`` hands it a run's fields by name, a dict
 (``Interleaver.link_fields()``):
 
 * ``kernel``: the interleaver; ``hot_in`` / ``hot_out``: sets of module indices some wait refers to
@@ -73,21 +73,10 @@ class PyRunLink:
     def in_visit(self) -> bool:
         return False  # (no fast path: no call is ever being served here)
 
-    def attach(
-        self,
-        *,
-        kernel: Any,
-        hot_in: set,
-        hot_out: set,
-        counts: list,
-        visit: Any,
-        visit_output: Any,
-        step: int,
-        **native_only: Any,
-    ) -> None:
-        self.kernel, self.hot_in, self.hot_out, self.counts = kernel, hot_in, hot_out, counts
-        self.visit, self.visit_output = visit, visit_output
-        self.step, self.bypass = step, False
+    def attach(self, fields: dict[str, Any]) -> None:
+        self.kernel, self.hot_in, self.hot_out = fields["kernel"], fields["hot_in"], fields["hot_out"]
+        self.counts, self.visit, self.visit_output = fields["counts"], fields["visit"], fields["visit_output"]
+        self.step, self.bypass = fields["step"], False
 
     def detach(self) -> None:
         self.kernel = self.visit = self.visit_output = None
@@ -175,7 +164,7 @@ class Controllers:
 
     def install(self, kernel: Any) -> None:
         """Attach ``kernel``'s run to the link and shadow every module's forward."""
-        self.link.attach(**kernel.link_fields())
+        self.link.attach(kernel.link_fields())
         self._install(self._controllers)
 
     def remove(self) -> None:
