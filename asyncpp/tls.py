@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import warnings
 
-from .native.tls import ENV_SWITCH, TLSBuildError, enabled, get_switch, load
+from .native.tls import ENV_SWITCH, NativeBuildError, TLSBuildError, enabled, get_switch, load
 
 warnings.warn(
     "asyncpp.tls is deprecated: import asyncpp.native.tls instead", DeprecationWarning, stacklevel=2
 )
 
-__all__ = ["ENV_SWITCH", "TLSBuildError", "enabled", "get_switch", "load"]
+__all__ = ["ENV_SWITCH", "NativeBuildError", "TLSBuildError", "enabled", "get_switch", "load"]
