@@ -849,7 +849,7 @@ PyObject* py_set_types(PyObject*, PyObject* args) {
 }
 
 PyMethodDef more_functions[] = {
-    {"set_types", py_set_types, METH_VARARGS, "Register asyncpp's Location and Block classes."},
+    {"set_types", py_set_types, METH_VARARGS, "Register the Location, Block, Wait and Interleaver classes."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -1,7 +1,7 @@
 """The block record: one intervention coroutine and its place in the batch, and its waits.
 
 The native controllers (csrc/controller.cpp) read and write some of these fields by name (see
-:mod:`asyncpp.kernel.link`): ``Block.coro``, ``state``, ``rows``, ``step``, ``order``, ``waiting``,
+:mod:`asyncpp.native.controllers`): ``Block.coro``, ``state``, ``rows``, ``step``, ``order``, ``waiting``,
 ``done``, and every field of :class:`Wait`.
 """
 

@@ -73,6 +73,7 @@ class Interleaver:
         "_leave",
         "_template",
         "_plain",
+        "_special",
         "_visit",
         "__weakref__",
     )
@@ -121,6 +122,7 @@ class Interleaver:
         self.budget: Any = None
         self.finished = False
         self._plain = hooks.publish is None and not grad  # a single plain read may skip the visit
+        self._special = hooks.special_modules()  # ... unless the hooks transform the module's values
         self._visit = Visit(-1, -1, OUTPUT)  # reused by the single-read path
         if step_index is not None:
             self.table.ref(step_index, INPUT)  # the root's calls begin steps, so it is always watched
@@ -154,7 +156,7 @@ class Interleaver:
             "serve": self.serve,
             "budget_enter": self._budget_enter,
             "budget_leave": self._budget_leave,
-            "special": self.hooks.special_modules(),
+            "special": self._special,
             "fast": self.fast_path,
             "step": self.step,
         }
@@ -471,7 +473,7 @@ class Interleaver:
         self.position = (index, OUTPUT, n)
         if lst is None:
             return out
-        if len(lst) == 1 and self.serving is None and self._plain:
+        if len(lst) == 1 and self.serving is None and self._plain and index not in self._special:
             # the common case: one plain read of this very call, by a block that sees the batch
             w = lst[0]
             if w.occ == n and w.step == self.step and w.gather is None and w.block.rows is None:

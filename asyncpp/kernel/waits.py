@@ -3,7 +3,7 @@
 A wait key is ``module_index * 4 + kind`` (see :mod:`.traps`). A module is *hot* on a stage (its
 input stage, or its output) while some wait refers to it there: the per-module controllers look
 the module up in ``hot_in`` / ``hot_out`` before and after each call, and only a hot call reaches
-the interleaver. The native controllers hold these very containers (see :mod:`.link`), so they are
+the interleaver. The native controllers hold these very containers (see :mod:`asyncpp.native.controllers`), so they are
 mutated in place, never replaced.
 """
 

@@ -127,3 +127,37 @@ def test_the_same_trace_gives_the_same_values_on_either_controllers(monkeypatch)
             engine.close()
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
     torch.testing.assert_close(results[0], model[2](model[1](model[0](x) * 2)), rtol=0, atol=0)
+
+
+def test_a_single_whole_batch_read_of_a_module_the_hooks_transform_still_goes_through_them():
+    """copy_after (and shards) apply to a visit even when one plain read is its only wait."""
+    model = _model()
+    tree, modules, paths = build_tree(model, {})
+    first = paths.index("0")
+    kept = {}
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            kept["model"] = x
+            return x
+
+    model[1] = Spy()  # (sees what the model goes on with after module 0)
+    tree, modules, paths = build_tree(model, {})
+    controllers = Controllers(modules)
+    hooks = RunHooks(copy_after=frozenset({first}))
+    kernel = Interleaver(paths, 2, step_index=0, hooks=hooks, link=controllers.link)
+
+    async def read(m):
+        kept["block"] = await m[0].output
+
+    controllers.install(kernel)
+    try:
+        with kernel.active():
+            block = kernel.start(read(tree), 0)
+            model(torch.ones(2, 4))
+            kernel.finish()
+    finally:
+        controllers.remove()
+    assert block.error is None, block.error
+    assert kept["model"] is not kept["block"]  # the model got a copy of what the block was served
+    torch.testing.assert_close(kept["model"], kept["block"])
