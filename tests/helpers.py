@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import threading
+
+from torch import nn
+
 import asyncpp
+
+
+class Gate(nn.Module):
+    """A real module whose forward blocks until the test opens it (from its event loop, which must
+    keep running while the forward waits)."""
+
+    def __init__(self, wait_s: float = 10.0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        self.wait_s = wait_s
+
+    def forward(self, x):
+        self.entered.set()
+        assert self.opened.wait(self.wait_s), "the gate was never opened: was the caller's loop blocked?"
+        return self.lin(x)
 
 
 def run(target, *invokes, **kw):

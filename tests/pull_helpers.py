@@ -7,7 +7,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from asyncpp.pp.pulls import PullError, PullService, PullTimeout
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Exactly the same value: container types, dtypes, shapes and bytes (for every dtype,
+    including those without equality)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.contiguous().reshape(-1).view(torch.uint8).tolist()
+            == b.contiguous().reshape(-1).view(torch.uint8).tolist()
+        )
+    if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
+        return False
+    return all(same_value(x, y) for x, y in zip(a, b))
 
 
 def has(svc: PullService, req: int, key: int, visit: int) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from . import batching, budget, grad, messages, traps, visits, waits
+from . import batching, budget, grad, messages, traps, visits
 from .answers import END, MISS, NOTHING, PARKED, RUN_BACKWARD, Throw
 from .block import Block, GatherState, Wait
 from .errors import ForeignAwaitError, InternalError, WriteError
@@ -480,7 +480,11 @@ class Interleaver:
                 trap = w.trap
                 if trap.TRAP == READ and not trap.keys:
                     del table.waits[key]
-                    table.unref(index, OUTPUT)
+                    refs = table.refs_out  # (table.unref, inline: the hot path of a plain read)
+                    r = refs[index] - 1
+                    refs[index] = r
+                    if not r:
+                        table.hot_out.discard(index)
                     v = self._visit
                     v.index, v.n, v.stage, v.out = index, n, OUTPUT, out
                     self.serving = v
@@ -721,6 +725,6 @@ _HANDLERS: dict[int, Callable[[Interleaver, Block, Any], Any]] = {
     BACKWARD: grad.on_backward,
 }
 
-_KERNEL_FILES = frozenset((__file__, traps.__file__, grad.__file__, budget.__file__, waits.__file__))
+_KERNEL_FILES = frozenset((__file__, traps.__file__, grad.__file__, budget.__file__))
 
 __all__ = ["Block", "END", "Interleaver", "InternalError", "MISS", "PARKED", "RunHooks", "Throw"]

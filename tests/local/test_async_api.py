@@ -8,24 +8,9 @@ import threading
 import anyio
 import pytest
 import torch
-from torch import nn
+from helpers import Gate
 
 import asyncpp
-
-
-class Gate(nn.Module):
-    """A real module whose forward blocks until the test's event loop opens it."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.opened = threading.Event()
-        self.entered = threading.Event()
-
-    def forward(self, x):
-        self.entered.set()
-        assert self.opened.wait(10), "the caller's event loop was blocked during the forward"
-        return self.lin(x)
 
 
 async def read_block(m):

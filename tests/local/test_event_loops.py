@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 import torch
-from torch import nn
+from helpers import Gate
 
 import asyncpp
 from asyncpp.engines.bridge import ModelThread, await_future, current_loop, poster, run_on_thread
@@ -26,21 +26,6 @@ WAIT_S = 10.0
 def run(main, backend, *args):
     name, options = backend
     return anyio.run(main, *args, backend=name, backend_options=options)
-
-
-class Gate(nn.Module):
-    """A real module whose forward blocks until the test opens it."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.opened = threading.Event()
-        self.entered = threading.Event()
-
-    def forward(self, x):
-        self.entered.set()
-        assert self.opened.wait(WAIT_S), "the gate was never opened"
-        return self.lin(x)
 
 
 async def read_lin(m):

@@ -117,21 +117,6 @@ def _run(scenario: Scenario, world: int, tmp_path: Path, *, deadline_s: float = 
     return [got[r][1] for r in range(world)]
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Exact equality of values: same container types, dtypes, shapes and elements."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
-        return False
-    return all(_same(x, y) for x, y in zip(a, b))
-
-
 def _describe(v: Any) -> Any:
     """A picklable description of a value's structure, dtypes and shapes."""
     if isinstance(v, torch.Tensor):
@@ -204,7 +189,7 @@ def _scenario_roundtrip(svc: PullService, rank: int, world: int) -> dict[str, An
     if rank == 1:
         stats0 = dict(svc.stats)
         got = {key: svc.pull(0, 2, key, 0, where=f"model.layers.{key}.output") for key in values}
-        out["same"] = {key: _same(got[key], values[key]) for key in values}
+        out["same"] = {key: ph.same_value(got[key], values[key]) for key in values}
         out["described"] = {key: _describe(got[key]) for key in values}
         out["contiguous"] = got[7].is_contiguous()
         out["int64_values"] = got[3].tolist()
@@ -225,8 +210,8 @@ def _scenario_roundtrip(svc: PullService, rank: int, world: int) -> dict[str, An
         out["has_missing"] = ph.has(svc, 2, 99, 0)
         first = ph.local(svc, 2, 5, 0)
         first[0].add_(1)  # local reads hand out a copy too
-        out["local_same"] = _same(ph.local(svc, 2, 5, 0), values[5])
-        out["self_pull_same"] = _same(svc.pull(0, 2, 2, 0, where="self"), values[2])
+        out["local_same"] = ph.same_value(ph.local(svc, 2, 5, 0), values[5])
+        out["self_pull_same"] = ph.same_value(svc.pull(0, 2, 2, 0, where="self"), values[2])
     ph.drain(svc, 2)
     out["has_after_drain"] = ph.has(svc, 2, 1, 0)
     dist.barrier()

@@ -7,28 +7,9 @@ from typing import Any
 
 import pytest
 import torch
+from pull_helpers import same_value
 
 from asyncpp.pp import pull_format as fmt
-
-
-def _bytes(t: torch.Tensor) -> list[int]:
-    """A tensor's elements as raw bytes (works for every dtype, including those without equality)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Same container types, dtypes, shapes and bytes."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and _bytes(a) == _bytes(b)
-        )
-    if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
-        return False
-    return all(_same(x, y) for x, y in zip(a, b))
 
 
 def _roundtrip(value: Any) -> Any:
@@ -96,8 +77,8 @@ def test_every_dtype_round_trips(dtype):
     assert fmt.DTYPES[enc.dtype] == dtype
     assert enc.payload_bytes == value.numel() * value.element_size()
     back = _roundtrip(value)
-    assert _same(back, value)
-    assert _same(_roundtrip((value, value[1:])), (value, value[1:]))
+    assert same_value(back, value)
+    assert same_value(_roundtrip((value, value[1:])), (value, value[1:]))
 
 
 def test_nesting_shapes_and_layouts_round_trip():
@@ -119,7 +100,7 @@ def test_nesting_shapes_and_layouts_round_trip():
     ]
     for value in values:
         back = _roundtrip(value)
-        assert _same(back, value), value
+        assert same_value(back, value), value
     assert _roundtrip(base.t()).is_contiguous()
 
 
