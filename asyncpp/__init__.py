@@ -27,6 +27,7 @@ from .kernel.errors import (
     NeverReachedError,
     OrderError,
     PathError,
+    TapError,
     WriteError,
 )
 from .kernel.grad import backward
@@ -81,6 +82,7 @@ __all__ = [
     "OrderError",
     "NOT_HERE",
     "PathError",
+    "TapError",
     "PullError",
     "PullTimeout",
     "RankDivergenceWarning",

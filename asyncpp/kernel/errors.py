@@ -36,6 +36,11 @@ class WriteError(AsyncppError, ValueError):
     """A replacement value does not fit the location it is written to."""
 
 
+class TapError(AsyncppError, LookupError):
+    """A compiled vLLM engine cannot serve this location: it is not one of the engine's taps (the
+    message names the engine's taps and the option that adds one)."""
+
+
 class InternalError(AsyncppError):
     """A bug in asyncpp itself, not in the user's code. Please report it."""
 

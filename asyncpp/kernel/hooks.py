@@ -34,6 +34,9 @@ class RunHooks:
       gathered whole for the blocks at a visit some block waits on, split again after.
     * ``copy_after``: modules whose output the model edits in place after the call (vLLM's sampler
       divides the logits by the temperature): once blocks have seen it, the model gets a copy.
+    * ``refuse(index, kind) -> error | None``: asked before a block parks on a location; an error
+      (raised at the block's ``await``) when this engine can never serve it (a compiled engine's
+      location that is not a tap).
     """
 
     on_step: Callable[[int], list] | None = None
@@ -45,12 +48,13 @@ class RunHooks:
     shard_out: Mapping[int, Any] | None = None  # (None: no shards)
     shard_in: Mapping[int, Any] | None = None
     copy_after: frozenset[int] = frozenset()
+    refuse: Callable[[int, int], BaseException | None] | None = None
 
     @property
     def fast_path(self) -> bool:
         """Whether the native fast path may serve plain reads: only when no hook must see every
-        served value or decide where a location is served."""
-        return self.intercept is None and self.publish is None
+        served value or decide where (or whether) a location is served."""
+        return self.intercept is None and self.publish is None and self.refuse is None
 
     def special_modules(self) -> frozenset[int]:
         """Modules whose values the kernel transforms on the way (narrowed per request, gathered

@@ -338,7 +338,12 @@ class Interleaver:
         if v is not None:
             return read_value(self, block, v, trap)  # a location of the visit being served
         occ = trap.occ
-        intercept = self.hooks.intercept
+        hooks = self.hooks
+        if hooks.refuse is not None:
+            err = hooks.refuse(trap.index, trap.kind)
+            if err is not None:
+                return Throw(err)
+        intercept = hooks.intercept
         if intercept is not None:
             got = intercept(block, trap, step, occ)
             if got is not MISS:
@@ -363,7 +368,12 @@ class Interleaver:
             except Exception as err:
                 return Throw(err)
             return None
-        intercept = self.hooks.intercept
+        hooks = self.hooks
+        if hooks.refuse is not None:
+            err = hooks.refuse(target.index, target.kind)
+            if err is not None:
+                return Throw(err)
+        intercept = hooks.intercept
         if intercept is not None:
             got = intercept(block, write, step, occ)
             if got is not MISS:

@@ -192,4 +192,5 @@ def describe(options: dict[str, Any], default_model: bool) -> str:
     model = "the embedded tiny Llama" if default_model else str(options["model"])
     tp = int(options.get("tensor_parallel_size", 1) or 1)
     pp = int(options.get("pipeline_parallel_size", 1) or 1)
-    return f"vLLM engine on {model} (TP={tp}, PP={pp})"
+    mode = "eager" if options.get("enforce_eager", True) else "compiled"
+    return f"vLLM engine on {model} (TP={tp}, PP={pp}, {mode})"

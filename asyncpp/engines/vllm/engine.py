@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from . import console
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_block, unpack_outcome
 from .stream import Receiver
+from .taps import TAPS_VERSION, check_patterns
 from .watch import Proc, Watch
 
 WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"
@@ -54,8 +55,15 @@ class VllmEngine(Engine):
         budget; not with ``tensor_parallel_size > 1``). Each resume of a block is timed (about
         a microsecond). Under pipeline parallelism each stage times its own part of a
         block: a block stopped on one stage fails there, and the others' pulls from it fail too.
+    :param mode: ``"eager"``: vLLM runs the model module by module and every location can be
+        awaited; ``"compiled"``: vLLM's compiled model (on CPU dynamo and inductor, as a stock
+        engine), where blocks are served at *taps* compiled into the graph (see ``taps``) and at
+        the modules outside it (the top-level model, ``logits``, ``samples``). Default: eager.
+    :param taps: module path patterns (``*`` within one name, ``**`` across names) of further
+        taps on a compiled engine, besides the default set: every direct child of the compiled
+        model (the embeddings, each decoder layer, the final norm). Taps serve outputs.
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
-        asyncpp's defaults keep hooks correct: eager mode, prefix caching and chunked prefill off.
+        asyncpp's defaults keep hooks correct: prefix caching and chunked prefill off.
     """
 
     supports_streaming = True
@@ -69,6 +77,8 @@ class VllmEngine(Engine):
         kv_cache_gib: float = 1,
         vllm_logs: bool | None = None,
         block_budget: float | None = None,
+        mode: str | None = None,
+        taps: Sequence[str] = (),
         **vllm_options: Any,
     ):
         default_model = model is None
@@ -84,9 +94,15 @@ class VllmEngine(Engine):
         self.vllm_logs = console.want_logs(vllm_logs)
         _check_budget(block_budget, vllm_options)
         self.block_budget = block_budget
+        self.mode = _mode(mode, vllm_options.pop("enforce_eager", None))
+        patterns = check_patterns(taps)
+        if patterns and self.mode != "compiled":
+            raise ValueError(
+                "taps=... is for compiled engines (mode='compiled'): eager engines serve every location"
+            )
         options = {
             "model": str(model),
-            "enforce_eager": True,
+            "enforce_eager": self.mode == "eager",
             "enable_prefix_caching": False,
             "enable_chunked_prefill": False,
             "long_prefill_token_threshold": 0,  # > 0 splits prompts even with chunking off
@@ -100,6 +116,10 @@ class VllmEngine(Engine):
         if not self.vllm_logs:
             options["use_tqdm_on_load"] = False  # the weight-loading progress bar
         options.update(vllm_options)
+        extra = dict(options.get("additional_config") or {})
+        # (part of vLLM's compile-cache key: a different tap set compiles a different graph)
+        extra[EXTRA_KEY] = {"taps": patterns, "taps_version": TAPS_VERSION}
+        options["additional_config"] = extra
         if options["worker_cls"] != WORKER:
             raise ValueError("VllmEngine needs asyncpp's worker class; leave worker_cls unset")
         self.options = options
@@ -125,11 +145,19 @@ class VllmEngine(Engine):
             raise
         self._stderr = quiet  # forwards vLLM's processes' stderr for as long as they run
         self.tree = tree_from_paths([(p, t) for p, t in entries], ALIASES)
+        info = self._taps_info
+        #: the tap set of a compiled engine (module paths), empty on an eager one
+        self.taps: list[str] = list(info["taps"])
+        #: seconds vLLM spent compiling the model at start (0 when eager, small from its cache)
+        self.compile_seconds = float(info["compile_seconds"])
         self._max_prompt = int(getattr(self._llm.model_config, "max_model_len", max_model_len)) - 1
         self._watch = Watch(procs, self._on_death)
         self.tokenizer = _load_tokenizer(options["model"])
         atexit.register(self.close)  # vLLM's own teardown at interpreter exit is noisy
-        progress.done()
+        #: seconds the engine took to start (vLLM's processes, weights, compilation)
+        self.start_seconds = progress.done(
+            f"compiled in {self.compile_seconds:.1f} s, ready in" if self.mode == "compiled" else "ready in"
+        )
 
     # --- the engine's own loop ------------------------------------------------------------------
 
@@ -149,6 +177,9 @@ class VllmEngine(Engine):
             await self._receiver.close()
             raise
         try:
+            self._taps_info = (await llm.collective_rpc("asyncpp_taps"))[0]
+            if self._taps_info["error"]:
+                raise ValueError(self._taps_info["error"])
             entries = (await llm.collective_rpc("asyncpp_tree"))[0]
             stats = await llm.collective_rpc("asyncpp_stats")
             await llm.collective_rpc("asyncpp_stream", args=(self._receiver.address,))
@@ -517,6 +548,17 @@ class VllmEngine(Engine):
                 return None, error
         merged = merge([r for r, _ in stages])
         return (None if merged is NOT_HERE else merged), None
+
+
+def _mode(mode: str | None, enforce_eager: Any) -> str:
+    """The engine's mode, from ``mode`` or vLLM's own ``enforce_eager`` (not both)."""
+    if mode is not None and enforce_eager is not None:
+        raise ValueError("pass mode='eager' or mode='compiled', not enforce_eager as well")
+    if mode is None:
+        return "eager" if enforce_eager is None or enforce_eager else "compiled"
+    if mode not in ("eager", "compiled"):
+        raise ValueError(f"mode must be 'eager' or 'compiled', not {mode!r}")
+    return mode
 
 
 def _size(options: dict[str, Any], key: str) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from typing import Any
 
@@ -38,6 +39,7 @@ from ...native.controllers import Controllers
 from ...pp.ownership import Ownership, report
 from ...pp.pulls import PullService
 from ...pp.stage import StageSession
+from . import taps
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_outcome, unpack_block
@@ -56,6 +58,14 @@ class AsyncppWorker(CPUWorker):
         _stack_dumps()
         self.asyncpp = WorkerSession(self.model_runner)
         return out
+
+    def determine_available_memory(self) -> int:
+        # on a compiled engine this first forward traces and compiles the model (vLLM's warm-up)
+        start = time.perf_counter()
+        try:
+            return super().determine_available_memory()
+        finally:
+            self.asyncpp.warmup_seconds = time.perf_counter() - start
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self.asyncpp.before_step(scheduler_output)
@@ -81,6 +91,10 @@ class AsyncppWorker(CPUWorker):
     def asyncpp_stream(self, address: str) -> bool:
         """Connect to the driver's channel for streamed values; whether this rank sends on it."""
         return self.asyncpp.connect(address)
+
+    def asyncpp_taps(self) -> dict[str, Any]:
+        """Whether this worker runs vLLM's compiled model, its taps, and the compile time."""
+        return self.asyncpp.taps_info()
 
     def asyncpp_budget(self, seconds: float | None) -> None:
         """Give every block a time budget per generation step (None: none)."""
@@ -112,6 +126,7 @@ class WorkerSession:
         self.sender = Sender()
         self.local_tree: list[tuple[str, str]] | None = None
         self.graft_cost: GraftCost | None = None
+        self.warmup_seconds = 0.0  # vLLM's warm-up forward (compiles the model on compiled engines)
         pipeline = _pipeline(runner)
         if pipeline is None:
             self.tree, modules, self.paths = build_tree(model, ALIASES, {"sampler": runner.sampler})
@@ -119,7 +134,16 @@ class WorkerSession:
             ownership, modules = pipeline.ownership, pipeline.modules
             self.local_tree, self.graft_cost = pipeline.local, pipeline.cost
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
-        self.controllers = Controllers(modules)
+        self.plan = self._tap_plan(model)
+        controlled = modules
+        if self.plan is not None:  # compiled: inside the graph, taps instead of controllers
+            inside = self.plan.inside
+            controlled = [None if i in inside else m for i, m in enumerate(modules)]
+            for i in self.plan.sites:
+                module = modules[i]
+                if module is not None:
+                    module.forward = taps.tapped_forward(module.forward, i, self.paths[i])
+        self.controllers = Controllers(controlled)
         shard_out, shard_in = find_shardings(modules, self.paths)
         hooks = RunHooks(
             on_step=self._on_step,
@@ -131,6 +155,7 @@ class WorkerSession:
             shard_in=shard_in,
             # the sampler edits the logits in place (temperature): blocks keep what they were served
             copy_after=frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor"),
+            refuse=None if self.plan is None else self.plan.refuse,
         )
         if pipeline is not None:
             self.stage = StageSession(ownership, pipeline.stage, pipeline.service, self._num_of)
@@ -147,9 +172,38 @@ class WorkerSession:
         self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
+        if self.plan is not None:
+            taps.bind(kernel, self.controllers.link)
         kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
+
+    def _tap_plan(self, model: Any) -> taps.TapPlan | None:
+        """On a compiled engine: which modules run inside vLLM's graph, and the taps among them
+        (the default set and the engine's patterns, passed in vLLM's ``additional_config``)."""
+        config = self.runner.vllm_config
+        from vllm.config import CompilationMode
+
+        if config.compilation_config.mode == CompilationMode.NONE:
+            return None
+        roots = taps.compiled_roots(model)
+        if not roots:
+            return None
+        ours = (getattr(config, "additional_config", None) or {}).get(EXTRA_KEY) or {}
+        types = [self.tree.find(p).module_type for p in self.paths]
+        plan = taps.TapPlan(self.paths, types, roots, ours.get("taps") or ())
+        log.info("compiled model %s; taps: %s", ", ".join(roots), plan.describe())
+        return plan
+
+    def taps_info(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "compiled": plan is not None,
+            "taps": [] if plan is None else plan.tap_paths,
+            "roots": [] if plan is None else plan.roots,
+            "error": None if plan is None else plan.error(),
+            "compile_seconds": self.warmup_seconds if plan is not None else 0.0,
+        }
 
     def _serve_points(self, model: Any, sampler: Any, modules: list[Any]) -> None:
         """The non-blocking serve points: after the stage's forward (the root's forward hook,

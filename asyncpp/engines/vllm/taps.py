@@ -1,0 +1,300 @@
+"""Taps: the locations a compiled vLLM engine serves blocks at, compiled into the model's graph.
+
+vLLM compiles the inner model of a decoder (``model.model``: dynamo and inductor on CPU, piecewise
+CUDA graphs on GPUs). Per-module controllers cannot run inside a compiled graph, so before the graph
+is traced each tapped module's forward is wrapped to end with one call of the operator
+``torch.ops.asyncpp.tap(values, site, layout)``. To the compiler it is opaque and mutates its tensors
+in place, so it stays in the graph, in order, between the code that makes the module's output and
+the code that reads it. When it runs, it calls back into the worker's interleaver: when no block
+waits on the site it counts the call and returns (a set lookup); otherwise the blocks are served as
+at a controller, and a replaced value is copied into the graph's own tensors.
+
+Only outputs are served at taps. Modules outside the compiled region (the top-level model, the
+logits processor, the sampler) keep their controllers and serve every kind of location, as in eager
+mode. The tap set is fixed when the engine starts: the default (every direct child of the compiled
+model, with each decoder layer of its layer list) plus the user's patterns.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...kernel.errors import TapError
+from ...kernel.traps import KIND_NAMES, OUTPUT
+
+TAPS_VERSION = 1  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
+
+_LIB = torch.library.Library("asyncpp", "DEF")
+_LIB.define("tap(Tensor(a!)[] values, int site, int[] layout) -> ()")
+
+BARE = -1  # layout of an output that is one tensor; else one entry per tuple item: 1 tensor, 0 None
+
+
+class _Server:
+    """The worker's interleaver as the taps see it (one per process: a worker serves one model)."""
+
+    __slots__ = ("hot_out", "counts", "visit_output", "link")
+
+    def __init__(self, kernel: Any, link: Any):
+        fields = kernel.link_fields()
+        self.hot_out, self.counts, self.visit_output = (
+            fields["hot_out"],
+            fields["counts"],
+            fields["visit_output"],
+        )
+        self.link = link
+
+
+_server: _Server | None = None
+
+
+def bind(kernel: Any, link: Any) -> None:
+    """Serve this process's taps from ``kernel`` (``link``: the controllers' run link, whose
+    ``bypass`` says a block's own code is running)."""
+    global _server
+    _server = _Server(kernel, link)
+
+
+def unbind() -> None:
+    global _server
+    _server = None
+
+
+def _tap(values: list[Tensor], site: int, layout: list[int]) -> None:
+    server = _server
+    if server is None:
+        return
+    if site not in server.hot_out:  # the tap nobody waits on
+        server.counts[site] += 1
+        return
+    if server.link is not None and server.link.bypass:
+        return
+    out = values[0] if layout[0] == BARE else _assemble(values, layout)
+    new = server.visit_output(site, out)
+    if new is not out:
+        _copy_into(values, new, layout)
+
+
+def _tap_fake(values: list[Tensor], site: int, layout: list[int]) -> None:
+    return None
+
+
+_LIB.impl("tap", _tap, "CompositeExplicitAutograd")
+torch.library.register_fake("asyncpp::tap", _tap_fake, lib=_LIB)
+
+
+def _assemble(values: list[Tensor], layout: list[int]) -> tuple:
+    it = iter(values)
+    return tuple(next(it) if code else None for code in layout)
+
+
+def _copy_into(values: list[Tensor], new: Any, layout: list[int]) -> None:
+    """Put a replaced output into the graph's tensors (same shapes: every block on vLLM writes
+    its own rows, which the kernel checked)."""
+    if layout[0] == BARE:
+        if new is not values[0]:
+            values[0].copy_(new)
+        return
+    it = iter(values)
+    for code, item in zip(layout, new, strict=True):
+        if code:
+            old = next(it)
+            if item is not old:
+                old.copy_(item)
+
+
+def flatten(out: Any, path: str) -> tuple[list[Tensor], list[int]]:
+    """The tensors of a module's output and their layout (the tap's arguments)."""
+    if isinstance(out, Tensor):
+        return [out], [BARE]
+    if type(out) is tuple and out and all(x is None or isinstance(x, Tensor) for x in out):
+        tensors = [x for x in out if x is not None]
+        if tensors:
+            return tensors, [0 if x is None else 1 for x in out]
+    raise TapError(
+        f"{path} cannot be a tap: its output is {_describe(out)}; a tap serves a tensor or a tuple "
+        f"of tensors (and Nones)"
+    )
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, tuple):
+        return "a tuple of " + ", ".join(type(x).__name__ for x in out)
+    return f"a {type(out).__name__}"
+
+
+def tapped_forward(forward: Any, site: int, path: str) -> Any:
+    """``forward`` followed by the tap of site ``site`` on its output (traced into the graph)."""
+
+    def tapped(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        values, layout = flatten(out, path)
+        torch.ops.asyncpp.tap(values, site, layout)
+        return out
+
+    tapped.__wrapped__ = forward  # type: ignore[attr-defined]
+    tapped.asyncpp_tap = site  # type: ignore[attr-defined]
+    return tapped
+
+
+# --- which modules are taps ----------------------------------------------------------------------
+
+
+def compiled_roots(model: Any) -> list[str]:
+    """Paths of the modules vLLM compiles in ``model`` (their forwards become graphs)."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    return [
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, TorchCompileWithNoGuardsWrapper) and not getattr(module, "do_not_compile", True)
+    ]
+
+
+def check_patterns(patterns: Iterable[str]) -> list[str]:
+    """The user's tap patterns, checked (dotted module paths; ``*`` matches within one name,
+    ``**`` any number of names)."""
+    out = []
+    for p in patterns:
+        if not isinstance(p, str) or not p.strip() or p.strip(".") != p or ".." in p:
+            raise ValueError(f"taps: {p!r} is not a module path pattern (such as 'model.layers.*.mlp')")
+        out.append(p)
+    return out
+
+
+def matches(pattern: str, path: str) -> bool:
+    """Whether module ``path`` matches ``pattern``, name by name."""
+    return _match(pattern.split("."), path.split(".") if path else [])
+
+
+def _match(pat: list[str], parts: list[str]) -> bool:
+    if not pat:
+        return not parts
+    if pat[0] == "**":
+        return any(_match(pat[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and _match(pat[1:], parts[1:])
+
+
+class TapPlan:
+    """The tap set of one engine: which modules run compiled (only their outputs at taps can be
+    served) and which of those are taps. The same on every rank (made from the full tree)."""
+
+    def __init__(
+        self, paths: Sequence[str], types: Sequence[str], roots: Sequence[str], patterns: Sequence[str]
+    ):
+        self.paths = list(paths)
+        self.roots = list(roots)
+        self.patterns = list(patterns)
+        index = {p: i for i, p in enumerate(self.paths)}
+        inside = set()
+        for i, p in enumerate(self.paths):
+            if any(_under(p, r) for r in self.roots):
+                inside.add(i)
+        self.inside = frozenset(inside)
+        sites = set()
+        for r in self.roots:
+            for i in sorted(inside):
+                p = self.paths[i]
+                parent = _parent(p)
+                if parent == r and types[i] != "ModuleList":
+                    sites.add(i)
+                elif parent and _parent(parent) == r and types[index[parent]] == "ModuleList":
+                    sites.add(i)  # a decoder layer of the layer list
+        self.unmatched = []
+        for pat in self.patterns:
+            found = [i for i in inside if self.paths[i] not in self.roots and matches(pat, self.paths[i])]
+            if not found:
+                self.unmatched.append(pat)
+            sites.update(found)
+        self.sites = frozenset(sites)
+
+    @property
+    def tap_paths(self) -> list[str]:
+        return [self.paths[i] for i in sorted(self.sites)]
+
+    def error(self) -> str | None:
+        """Why the user's patterns cannot be used (a pattern that names no compiled module)."""
+        if not self.unmatched:
+            return None
+        names = ", ".join(repr(p) for p in self.unmatched)
+        return (
+            f"taps: {names} matches no module inside vLLM's compiled model ({', '.join(self.roots)}); "
+            f"modules outside it need no tap. Its modules are, for example: {_examples(self)}"
+        )
+
+    def describe(self) -> str:
+        """The taps in a few words (layer ranges folded)."""
+        return summarize(self.tap_paths)
+
+    def refuse(self, index: int, kind: int) -> TapError | None:
+        """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it."""
+        if index not in self.inside:
+            return None
+        path = self.paths[index]
+        what = f"{path}.{KIND_NAMES[kind]}"
+        if index in self.sites:
+            if kind == OUTPUT:
+                return None
+            return TapError(
+                f"{what}: this VllmEngine runs vLLM's compiled model, and its taps serve outputs "
+                f"only; {path}'s {KIND_NAMES[kind]} can be read as the output of the module before "
+                f"it, or on an engine made with mode='eager'"
+            )
+        if path in self.roots:
+            hint = "its value is the top-level model's output, `m.output`"
+        else:
+            hint = f"add it with VllmEngine(..., taps=[{path!r}])"
+        return TapError(
+            f"{what} is not a tap of this VllmEngine, which runs vLLM's compiled model: inside "
+            f"it only taps can be awaited ({self.describe()}; outputs). To serve it, {hint}, or "
+            f"make the engine with mode='eager' (every location, slower)"
+        )
+
+
+def summarize(paths: Sequence[str]) -> str:
+    """Paths with runs of numbered siblings folded: ``model.layers.{0..3}``."""
+    out: list[str] = []
+    runs: dict[str, list[int]] = {}
+    order: list[str] = []
+    for p in paths:
+        m = re.fullmatch(r"(.*)\.(\d+)", p)
+        if m:
+            key = m.group(1)
+            if key not in runs:
+                runs[key] = []
+                order.append(key)
+            runs[key].append(int(m.group(2)))
+        else:
+            order.append(p)
+    for key in order:
+        nums = runs.get(key)
+        if nums is None:
+            out.append(key)
+        elif len(nums) == 1:
+            out.append(f"{key}.{nums[0]}")
+        else:
+            out.append(
+                f"{key}.{{{min(nums)}..{max(nums)}}}"
+                if nums == list(range(min(nums), max(nums) + 1))
+                else f"{key}.{{{','.join(map(str, nums))}}}"
+            )
+    return ", ".join(out)
+
+
+def _examples(plan: TapPlan, n: int = 6) -> str:
+    inner = [plan.paths[i] for i in sorted(plan.inside) if plan.paths[i] not in plan.roots]
+    return ", ".join(inner[:n]) + (", ..." if len(inner) > n else "")
+
+
+def _parent(path: str) -> str | None:
+    return path.rsplit(".", 1)[0] if "." in path else ("" if path else None)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + ".")
