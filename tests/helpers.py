@@ -4,9 +4,32 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from torch import nn
 
 import asyncpp
+
+# the two modes of VllmEngine: the vLLM tests run each engine they share in both
+MODES = ("eager", "compiled")
+# the compiled engines' taps beyond the default set (each decoder layer): what the tests await
+TEST_TAPS = (
+    "model.layers.*.mlp",
+    "model.layers.*.mlp.gate_up_proj",
+    "model.layers.*.mlp.act_fn",
+    "model.layers.*.self_attn.qkv_proj",
+    "model.layers.*.self_attn.o_proj.input",
+)
+
+
+def mode_options(mode: str) -> dict:
+    """VllmEngine options for ``mode``: a compiled engine gets the taps the tests await."""
+    return {"mode": mode, "taps": TEST_TAPS} if mode == "compiled" else {"mode": mode}
+
+
+def needs_eager(engine, why: str) -> None:
+    """Skip the test on a compiled engine, saying why it needs every location (eager mode)."""
+    if getattr(engine, "mode", "eager") != "eager":
+        pytest.skip(f"eager engines only: {why}")
 
 
 class Gate(nn.Module):

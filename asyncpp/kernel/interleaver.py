@@ -472,6 +472,21 @@ class Interleaver:
                 return self.visit_output(index, skip)
         return self.visit_output(index, forward(*args, **kwargs))
 
+    def visit_input(self, index: int, value: Any) -> Any:
+        """Serve the ``input`` waits of the call of module ``index`` about to run, whose first
+        argument is ``value`` (a compiled engine's input tap, where the call itself runs in the
+        graph); returns the value the call goes on with."""
+        n = self.counts[index]
+        self.seen_in[index] = n
+        if index * 4 not in self.table.waits:
+            return value
+        shard_in = self.hooks.shard_in
+        shard = shard_in.get(index) if shard_in else None
+        v = Visit(index, n, INPUT, (value if shard is None else shard.gather(value),), {})
+        self._serve_visit(v, (INPUT,))
+        new = v.args[0]
+        return new if shard is None else shard.split(new, value)
+
     def visit_output(self, index: int, out: Any) -> Any:
         """Finish a call of module ``index``: count it, serve its output waits."""
         counts = self.counts

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from helpers import MODES, mode_options
 
 import asyncpp
 
@@ -24,9 +25,15 @@ COS = 0.9999
 PROMPT = "The quick brown fox"
 
 
+@pytest.fixture(scope="module", params=MODES)
+def mode(request):
+    """Every test here runs on eager engines and on compiled ones."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def one_stage():
-    engine = asyncpp.VllmEngine(dtype="float32")
+def one_stage(mode):
+    engine = asyncpp.VllmEngine(dtype="float32", **mode_options(mode))
     yield engine
     engine.close()
 
@@ -37,10 +44,10 @@ def dumps(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_stages(dumps):
+def two_stages(dumps, mode):
     os.environ["ASYNCPP_STACK_DUMP"] = str(dumps)  # the workers inherit it
     try:
-        engine = asyncpp.VllmEngine(dtype="float32", pipeline_parallel_size=2)
+        engine = asyncpp.VllmEngine(dtype="float32", pipeline_parallel_size=2, **mode_options(mode))
     finally:
         del os.environ["ASYNCPP_STACK_DUMP"]
     yield engine

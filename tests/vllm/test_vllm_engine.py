@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import steer_hook
+from helpers import MODES, mode_options, steer_hook
 
 import asyncpp
 
@@ -20,9 +20,10 @@ pytest.importorskip("vllm")
 ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
 
 
-@pytest.fixture(scope="module")
-def vllm_engine():
-    engine = asyncpp.VllmEngine(dtype="float32")
+@pytest.fixture(scope="module", params=MODES)
+def vllm_engine(request):
+    """One engine per mode: every test here runs on an eager and on a compiled engine."""
+    engine = asyncpp.VllmEngine(dtype="float32", **mode_options(request.param))
     yield engine
     engine.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import MODES, mode_options
 
 import asyncpp
 
@@ -17,9 +18,9 @@ ATOL = 1e-4
 TEXT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def tp_engine():
-    engine = asyncpp.VllmEngine(dtype="float32", tensor_parallel_size=2)
+@pytest.fixture(scope="module", params=MODES)
+def tp_engine(request):
+    engine = asyncpp.VllmEngine(dtype="float32", tensor_parallel_size=2, **mode_options(request.param))
     yield engine
     engine.close()
 

@@ -3,13 +3,13 @@
 vLLM compiles the inner model of a decoder (``model.model``: dynamo and inductor on CPU, piecewise
 CUDA graphs on GPUs). Per-module controllers cannot run inside a compiled graph, so before the graph
 is traced each tapped module's forward is wrapped to end with one call of the operator
-``torch.ops.asyncpp.tap(values, site, layout)``. To the compiler it is opaque and mutates its tensors
+``torch.ops.asyncpp.tap(values, site, layout, stage)`` (and, for an input tap, to begin with one). To the compiler it is opaque and mutates its tensors
 in place, so it stays in the graph, in order, between the code that makes the module's output and
 the code that reads it. When it runs, it calls back into the worker's interleaver: when no block
 waits on the site it counts the call and returns (a set lookup); otherwise the blocks are served as
 at a controller, and a replaced value is copied into the graph's own tensors.
 
-Only outputs are served at taps. Modules outside the compiled region (the top-level model, the
+Taps serve a module's output, or (a pattern ending in ``.input``) its first argument. Modules outside the compiled region (the top-level model, the
 logits processor, the sampler) keep their controllers and serve every kind of location, as in eager
 mode. The tap set is fixed when the engine starts: the default (every direct child of the compiled
 model, with each decoder layer of its layer list) plus the user's patterns.
@@ -18,7 +18,6 @@ model, with each decoder layer of its layer list) plus the user's patterns.
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,12 +25,12 @@ import torch
 from torch import Tensor
 
 from ...kernel.errors import TapError
-from ...kernel.traps import KIND_NAMES, OUTPUT
+from ...kernel.traps import INPUT, KIND_NAMES, OUTPUT
 
-TAPS_VERSION = 1  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
+TAPS_VERSION = 2  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
 
 _LIB = torch.library.Library("asyncpp", "DEF")
-_LIB.define("tap(Tensor(a!)[] values, int site, int[] layout) -> ()")
+_LIB.define("tap(Tensor(a!)[] values, int site, int[] layout, int stage) -> ()")
 
 BARE = -1  # layout of an output that is one tensor; else one entry per tuple item: 1 tensor, 0 None
 
@@ -39,15 +38,12 @@ BARE = -1  # layout of an output that is one tensor; else one entry per tuple it
 class _Server:
     """The worker's interleaver as the taps see it (one per process: a worker serves one model)."""
 
-    __slots__ = ("hot_out", "counts", "visit_output", "link")
+    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "visit_output", "link")
 
     def __init__(self, kernel: Any, link: Any):
         fields = kernel.link_fields()
-        self.hot_out, self.counts, self.visit_output = (
-            fields["hot_out"],
-            fields["counts"],
-            fields["visit_output"],
-        )
+        self.hot_in, self.hot_out, self.counts = fields["hot_in"], fields["hot_out"], fields["counts"]
+        self.visit_input, self.visit_output = kernel.visit_input, fields["visit_output"]
         self.link = link
 
 
@@ -66,14 +62,22 @@ def unbind() -> None:
     _server = None
 
 
-def _tap(values: list[Tensor], site: int, layout: list[int]) -> None:
+def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None:
     server = _server
     if server is None:
         return
-    if site not in server.hot_out:  # the tap nobody waits on
-        server.counts[site] += 1
+    if stage == OUTPUT:
+        if site not in server.hot_out:  # the tap nobody waits on
+            server.counts[site] += 1
+            return
+    elif site not in server.hot_in:
         return
     if server.link is not None and server.link.bypass:
+        return
+    if stage != OUTPUT:
+        new = server.visit_input(site, values[0])
+        if new is not values[0]:
+            values[0].copy_(new)
         return
     out = values[0] if layout[0] == BARE else _assemble(values, layout)
     new = server.visit_output(site, out)
@@ -81,7 +85,7 @@ def _tap(values: list[Tensor], site: int, layout: list[int]) -> None:
         _copy_into(values, new, layout)
 
 
-def _tap_fake(values: list[Tensor], site: int, layout: list[int]) -> None:
+def _tap_fake(values: list[Tensor], site: int, layout: list[int], stage: int) -> None:
     return None
 
 
@@ -129,13 +133,19 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
-def tapped_forward(forward: Any, site: int, path: str) -> Any:
-    """``forward`` followed by the tap of site ``site`` on its output (traced into the graph)."""
+def tapped_forward(forward: Any, site: int, path: str, output: bool = True, input: bool = False) -> Any:
+    """``forward`` with the taps of module ``site`` on its output and/or its first argument
+    (traced into the graph)."""
 
     def tapped(*args: Any, **kwargs: Any) -> Any:
+        if input:
+            if not args or not isinstance(args[0], Tensor):
+                raise TapError(f"{path}.input cannot be a tap: the module's first argument is not a tensor")
+            torch.ops.asyncpp.tap([args[0]], site, [BARE], INPUT)
         out = forward(*args, **kwargs)
-        values, layout = flatten(out, path)
-        torch.ops.asyncpp.tap(values, site, layout)
+        if output:
+            values, layout = flatten(out, path)
+            torch.ops.asyncpp.tap(values, site, layout, OUTPUT)
         return out
 
     tapped.__wrapped__ = forward  # type: ignore[attr-defined]
@@ -207,16 +217,26 @@ class TapPlan:
                 elif parent and _parent(parent) == r and types[index[parent]] == "ModuleList":
                     sites.add(i)  # a decoder layer of the layer list
         self.unmatched = []
+        in_sites = set()
         for pat in self.patterns:
-            found = [i for i in inside if self.paths[i] not in self.roots and matches(pat, self.paths[i])]
+            on_input = pat.endswith(".input")
+            module_pat = pat[: -len(".input")] if on_input else pat
+            found = [
+                i for i in inside if self.paths[i] not in self.roots and matches(module_pat, self.paths[i])
+            ]
             if not found:
                 self.unmatched.append(pat)
-            sites.update(found)
-        self.sites = frozenset(sites)
+            (in_sites if on_input else sites).update(found)
+        self.sites = frozenset(sites)  # output taps
+        self.in_sites = frozenset(in_sites)  # input taps (the module's first argument)
 
     @property
     def tap_paths(self) -> list[str]:
-        return [self.paths[i] for i in sorted(self.sites)]
+        """Every tap: module paths (outputs), and ``<path>.input`` for input taps."""
+        both = [(i, self.paths[i]) for i in self.sites] + [
+            (i, self.paths[i] + ".input") for i in self.in_sites
+        ]
+        return [p for _, p in sorted(both)]
 
     def error(self) -> str | None:
         """Why the user's patterns cannot be used (a pattern that names no compiled module)."""
@@ -229,61 +249,58 @@ class TapPlan:
         )
 
     def describe(self) -> str:
-        """The taps in a few words (layer ranges folded)."""
+        """The taps in a few words (layer numbers folded)."""
         return summarize(self.tap_paths)
 
     def refuse(self, index: int, kind: int) -> TapError | None:
         """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it."""
         if index not in self.inside:
             return None
+        if (kind == OUTPUT and index in self.sites) or (kind == INPUT and index in self.in_sites):
+            return None
         path = self.paths[index]
         what = f"{path}.{KIND_NAMES[kind]}"
-        if index in self.sites:
-            if kind == OUTPUT:
-                return None
+        eager = "or make the engine with mode='eager' (every location, slower)"
+        if kind not in (OUTPUT, INPUT):
             return TapError(
-                f"{what}: this VllmEngine runs vLLM's compiled model, and its taps serve outputs "
-                f"only; {path}'s {KIND_NAMES[kind]} can be read as the output of the module before "
-                f"it, or on an engine made with mode='eager'"
+                f"{what}: this VllmEngine runs vLLM's compiled model, whose taps serve a module's "
+                f"output or its first argument (input) only; {KIND_NAMES[kind]} needs the module "
+                f"called from Python: {eager}"
             )
         if path in self.roots:
-            hint = "its value is the top-level model's output, `m.output`"
+            hint = "its value is the top-level model's, `m.output`,"
+        elif kind == INPUT:
+            hint = f"add the tap with VllmEngine(..., taps=[{path + '.input'!r}]),"
         else:
-            hint = f"add it with VllmEngine(..., taps=[{path!r}])"
+            hint = f"add the tap with VllmEngine(..., taps=[{path!r}]),"
         return TapError(
-            f"{what} is not a tap of this VllmEngine, which runs vLLM's compiled model: inside "
-            f"it only taps can be awaited ({self.describe()}; outputs). To serve it, {hint}, or "
-            f"make the engine with mode='eager' (every location, slower)"
+            f"{what} is not a tap of this VllmEngine, which runs vLLM's compiled model: inside it "
+            f"only taps can be awaited (this engine's: {self.describe()}). To serve it, {hint} "
+            f"{eager}"
         )
 
 
 def summarize(paths: Sequence[str]) -> str:
-    """Paths with runs of numbered siblings folded: ``model.layers.{0..3}``."""
-    out: list[str] = []
-    runs: dict[str, list[int]] = {}
-    order: list[str] = []
+    """Paths with their numbered parts folded: ``model.layers.{0..3}.mlp``."""
+    groups: dict[tuple, list[tuple]] = {}
     for p in paths:
-        m = re.fullmatch(r"(.*)\.(\d+)", p)
-        if m:
-            key = m.group(1)
-            if key not in runs:
-                runs[key] = []
-                order.append(key)
-            runs[key].append(int(m.group(2)))
-        else:
-            order.append(p)
-    for key in order:
-        nums = runs.get(key)
-        if nums is None:
-            out.append(key)
-        elif len(nums) == 1:
-            out.append(f"{key}.{nums[0]}")
-        else:
-            out.append(
-                f"{key}.{{{min(nums)}..{max(nums)}}}"
-                if nums == list(range(min(nums), max(nums) + 1))
-                else f"{key}.{{{','.join(map(str, nums))}}}"
-            )
+        parts = p.split(".")
+        key = tuple("#" if x.isdigit() else x for x in parts)
+        groups.setdefault(key, []).append(tuple(int(x) for x in parts if x.isdigit()))
+    out = []
+    for key, nums in groups.items():
+        if len(nums) == 1 or len(nums[0]) != 1:
+            for n in nums:
+                it = iter(n)
+                out.append(".".join(str(next(it)) if x == "#" else x for x in key))
+            continue
+        vals = sorted(n[0] for n in nums)
+        run = (
+            f"{{{vals[0]}..{vals[-1]}}}"
+            if vals == list(range(vals[0], vals[-1] + 1))
+            else "{" + ",".join(map(str, vals)) + "}"
+        )
+        out.append(".".join(run if x == "#" else x for x in key))
     return ", ".join(out)
 
 

@@ -139,10 +139,13 @@ class WorkerSession:
         if self.plan is not None:  # compiled: inside the graph, taps instead of controllers
             inside = self.plan.inside
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
-            for i in self.plan.sites:
+            plan = self.plan
+            for i in sorted(plan.sites | plan.in_sites):
                 module = modules[i]
                 if module is not None:
-                    module.forward = taps.tapped_forward(module.forward, i, self.paths[i])
+                    module.forward = taps.tapped_forward(
+                        module.forward, i, self.paths[i], output=i in plan.sites, input=i in plan.in_sites
+                    )
         self.controllers = Controllers(controlled)
         shard_out, shard_in = find_shardings(modules, self.paths)
         hooks = RunHooks(
