@@ -48,6 +48,10 @@ def child_env(logs: bool, workers: int = 1) -> dict[str, str]:
     asserts a NUMA node per worker, which a one-node machine does not have: those engines run
     with ``nobind``. A one-worker engine keeps vLLM's default."""
     env = {LOGS_ENV: "1" if logs else "0"}  # the engine's choice, read by asyncpp's worker
+    # vLLM 0.32 cannot load the ahead-of-time compiled artifacts it saves on its CPU platform
+    # ("'function' object has no attribute 'finalize_loading'"): a compiled engine would compile
+    # anyway, and save an artifact again. Without them inductor's own cache serves a later start.
+    env["VLLM_USE_AOT_COMPILE"] = "0"
     if workers > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if logs:

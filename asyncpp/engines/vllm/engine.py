@@ -117,7 +117,7 @@ class VllmEngine(Engine):
             options["use_tqdm_on_load"] = False  # the weight-loading progress bar
         options.update(vllm_options)
         extra = dict(options.get("additional_config") or {})
-        # (part of vLLM's compile-cache key: a different tap set compiles a different graph)
+        # the tap patterns; each worker resolves them and keys vLLM's compile cache by the result
         extra[EXTRA_KEY] = {"taps": patterns, "taps_version": TAPS_VERSION}
         options["additional_config"] = extra
         if options["worker_cls"] != WORKER:
@@ -150,6 +150,8 @@ class VllmEngine(Engine):
         self.taps: list[str] = list(info["taps"])
         #: seconds vLLM spent compiling the model at start (0 when eager, small from its cache)
         self.compile_seconds = float(info["compile_seconds"])
+        #: whether the compiled model came from the compile cache (inductor's) instead of compiling
+        self.compile_cached = bool(info["compile_cached"])
         self._max_prompt = int(getattr(self._llm.model_config, "max_model_len", max_model_len)) - 1
         self._watch = Watch(procs, self._on_death)
         self.tokenizer = _load_tokenizer(options["model"])

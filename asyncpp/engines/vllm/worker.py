@@ -62,10 +62,13 @@ class AsyncppWorker(CPUWorker):
     def determine_available_memory(self) -> int:
         # on a compiled engine this first forward traces and compiles the model (vLLM's warm-up)
         start = time.perf_counter()
+        counts = _compile_cache_counts()
         try:
             return super().determine_available_memory()
         finally:
             self.asyncpp.warmup_seconds = time.perf_counter() - start
+            hits, misses = (b - a for a, b in zip(counts, _compile_cache_counts(), strict=True))
+            self.asyncpp.compile_cached = hits > 0 and misses == 0
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self.asyncpp.before_step(scheduler_output)
@@ -127,6 +130,7 @@ class WorkerSession:
         self.local_tree: list[tuple[str, str]] | None = None
         self.graft_cost: GraftCost | None = None
         self.warmup_seconds = 0.0  # vLLM's warm-up forward (compiles the model on compiled engines)
+        self.compile_cached = False  # whether that compile came from inductor's cache
         pipeline = _pipeline(runner)
         if pipeline is None:
             self.tree, modules, self.paths = build_tree(model, ALIASES, {"sampler": runner.sampler})
@@ -195,6 +199,9 @@ class WorkerSession:
         ours = (getattr(config, "additional_config", None) or {}).get(EXTRA_KEY) or {}
         types = [self.tree.find(p).module_type for p in self.paths]
         plan = taps.TapPlan(self.paths, types, roots, ours.get("taps") or ())
+        # vLLM's compile-cache key: the taps themselves, not the patterns that chose them (so that
+        # a pattern naming nothing fails fast, from the cache, and equal tap sets share an entry)
+        config.additional_config[EXTRA_KEY] = {"taps": plan.tap_paths, "taps_version": taps.TAPS_VERSION}
         log.info("compiled model %s; taps: %s", ", ".join(roots), plan.describe())
         return plan
 
@@ -206,6 +213,7 @@ class WorkerSession:
             "roots": [] if plan is None else plan.roots,
             "error": None if plan is None else plan.error(),
             "compile_seconds": self.warmup_seconds if plan is not None else 0.0,
+            "compile_cached": self.compile_cached,
         }
 
     def _serve_points(self, model: Any, sampler: Any, modules: list[Any]) -> None:
@@ -439,6 +447,14 @@ class WorkerSession:
             "served_bytes": st.get("bytes_out", 0),
             **self.stage.service.held(),
         }
+
+
+def _compile_cache_counts() -> tuple[int, int]:
+    """Inductor's compiled-graph cache hits and misses in this process so far."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])
 
 
 def _quiet_warnings() -> None:

@@ -1,0 +1,146 @@
+"""What only compiled engines have: taps, their limits, and the compile cache.
+
+The rest of the vLLM tests run on eager and on compiled engines alike (``helpers.MODES``); this
+module checks the compiled mode's own promises on an engine with the default tap set: an await of a
+location that is not a tap fails at the user's line with a message naming the location, the
+engine's taps and the option that adds it, and fails that request only; patterns that name nothing
+fail the engine's start; a second engine of the same model loads vLLM's compiled graph from its
+cache; greedy tokens equal a stock vLLM engine's (vLLM's own worker, compiled too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import asyncpp
+
+pytest.importorskip("vllm")
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "asyncpp"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    engine = asyncpp.VllmEngine(dtype="float32", mode="compiled")
+    yield engine
+    engine.close()
+
+
+def test_the_default_taps_are_every_decoder_layer_the_embeddings_and_the_final_norm(compiled):
+    assert compiled.mode == "compiled"
+    n = len(compiled.tree.model.layers)
+    assert compiled.taps == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(n)), "model.norm"]
+
+
+def test_an_untapped_location_fails_its_request_at_the_await(compiled):
+    async def untapped(m):
+        h, r = await m.model.layers[0].output  # a tap
+        return await m.model.layers[1].mlp.output  # not one
+
+    async def fine(m):
+        return (await m.model.layers[1].output)[0][-1].clone()
+
+    with pytest.raises(asyncpp.TapError) as info:
+        with asyncpp.trace(compiled) as t:
+            good = t.invoke(PROMPTS[0], fine)
+            t.invoke(PROMPTS[1], untapped)
+    msg = str(info.value)
+    assert msg.startswith("model.layers.1.mlp.output is not a tap of this VllmEngine")
+    assert "model.layers.{0..3}" in msg and "taps=['model.layers.1.mlp']" in msg and "mode='eager'" in msg
+    notes = "\n".join(getattr(info.value, "__notes__", ()))
+    assert "test_vllm_compiled.py" in notes and "return await m.model.layers[1].mlp.output" in notes
+    assert good.result.dim() == 1  # the other request of the trace ran to its end
+    with asyncpp.trace(compiled) as t:  # the engine goes on
+        again = t.invoke(PROMPTS[0], fine)
+    torch.testing.assert_close(again.result, good.result)
+
+
+def test_what_taps_do_not_serve_is_refused_clearly(compiled):
+    async def inputs_of_a_tap(m):
+        return await m.model.layers[2].inputs
+
+    async def inner_model(m):
+        return await m.model.output
+
+    async def outside_the_graph(m):  # the top-level model, logits and samples: as in eager mode
+        args, kwargs = await m.inputs
+        logits = (await m.logits).clone()
+        return logits, (await m.samples).sampled_token_ids.clone()
+
+    with pytest.raises(asyncpp.TapError, match=r"model\.layers\.2\.inputs: .* output or its first argument"):
+        with asyncpp.trace(compiled) as t:
+            t.invoke(PROMPTS[0], inputs_of_a_tap)
+    with pytest.raises(asyncpp.TapError, match=r"model\.output is not a tap.*`m\.output`"):
+        with asyncpp.trace(compiled) as t:
+            t.invoke(PROMPTS[0], inner_model)
+    with asyncpp.trace(compiled) as t:
+        h = t.invoke(PROMPTS[0], outside_the_graph)
+    logits, sampled = h.result
+    assert int(sampled) == int(logits.argmax()) == int(h.tokens[0, 0])
+
+
+def test_a_tap_pattern_that_names_nothing_fails_the_start():
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.\*\.mpl' matches no module inside vLLM's compiled model"
+    ):
+        asyncpp.VllmEngine(dtype="float32", mode="compiled", taps=["model.layers.*.mpl"])
+
+
+def test_modes_and_options_are_checked():
+    with pytest.raises(ValueError, match="mode must be 'eager' or 'compiled'"):
+        asyncpp.VllmEngine(mode="fast")
+    with pytest.raises(ValueError, match="taps=... is for compiled engines"):
+        asyncpp.VllmEngine(mode="eager", taps=["model.layers.*.mlp"])
+    with pytest.raises(ValueError, match="not enforce_eager as well"):
+        asyncpp.VllmEngine(mode="eager", enforce_eager=True)
+
+
+def test_a_second_engine_loads_the_compiled_model_from_vllms_cache(compiled):
+    with asyncpp.VllmEngine(dtype="float32", mode="compiled") as again:
+        assert again.compile_cached
+        assert again.taps == compiled.taps
+
+
+def test_greedy_tokens_equal_a_stock_compiled_vllm_engine(compiled):
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    tok = compiled.tokenizer
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+    async def steered_nothing(m):
+        async for _ in m.steps():
+            await m.model.layers[1].output
+
+    with asyncpp.generate(compiled, max_new_tokens=8, ignore_eos=True) as t:
+        handles = [t.invoke(p, steered_nothing) for p in PROMPTS]
+    ours = [h.tokens[0].tolist() for h in handles]
+
+    async def stock() -> list[list[int]]:
+        args = AsyncEngineArgs(
+            model=compiled.options["model"],
+            dtype="float32",
+            enforce_eager=False,
+            enable_prefix_caching=False,
+            max_model_len=512,
+            kv_cache_memory_bytes=2**30,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        try:
+            sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+            async def one(i, ids):
+                final = None
+                async for out in llm.generate({"prompt_token_ids": ids}, sp, request_id=f"stock-{i}"):
+                    final = out
+                return list(final.outputs[0].token_ids)
+
+            return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(stock()) == ours
