@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 from torch import nn
 
 import asyncpp
@@ -24,12 +23,6 @@ TEST_TAPS = (
 def mode_options(mode: str) -> dict:
     """VllmEngine options for ``mode``: a compiled engine gets the taps the tests await."""
     return {"mode": mode, "taps": TEST_TAPS} if mode == "compiled" else {"mode": mode}
-
-
-def needs_eager(engine, why: str) -> None:
-    """Skip the test on a compiled engine, saying why it needs every location (eager mode)."""
-    if getattr(engine, "mode", "eager") != "eager":
-        pytest.skip(f"eager engines only: {why}")
 
 
 class Gate(nn.Module):

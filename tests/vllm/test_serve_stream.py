@@ -8,12 +8,13 @@ and a few test-only blocks; its fixture is a copy of the one in tests/test_serve
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_values_before_their_tokens
+from helpers import TEST_TAPS, assert_values_before_their_tokens
 from serve_helpers import ALICE_SECRET, ROOT_SECRET, start_server
 
 import asyncpp
@@ -63,7 +64,16 @@ async def emit_then_fail(m, message: str):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from start_server(
-        tmp_path_factory.mktemp("serve-stream"), TEST_BLOCKS, "--allow-code", "--max-body-bytes", str(2**20)
+        tmp_path_factory.mktemp("serve-stream"),
+        TEST_BLOCKS,
+        "--allow-code",
+        "--max-body-bytes",
+        str(2**20),
+        # a compiled engine (the other server tests run eager ones): serving does not depend on the mode
+        "--mode",
+        "compiled",
+        "--taps",
+        json.dumps(TEST_TAPS),
     )
 
 

@@ -15,16 +15,16 @@ import time
 
 import pytest
 import torch
-from helpers import assert_values_before_their_tokens
+from helpers import MODES, assert_values_before_their_tokens, mode_options
 
 import asyncpp
 
 pytest.importorskip("vllm")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    engine = asyncpp.VllmEngine(dtype="float32")
+@pytest.fixture(scope="module", params=MODES)
+def engine(request):
+    engine = asyncpp.VllmEngine(dtype="float32", **mode_options(request.param))
     yield engine
     engine.close()
 
@@ -331,6 +331,8 @@ def test_cancelling_a_trace_without_a_stream_aborts_its_requests(engine, tmp_pat
 
 @pytest.fixture(scope="module")
 def two_stages():
+    # eager only: the pipeline-parallel engine tests (tests/pp) run both modes; here one more
+    # engine of each mode would add a minute for the same streaming path
     engine = asyncpp.VllmEngine(dtype="float32", pipeline_parallel_size=2)
     yield engine
     engine.close()
