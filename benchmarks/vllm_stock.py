@@ -1,10 +1,10 @@
 """asyncpp's cost against a *stock* vLLM engine (vLLM's own worker), side by side in one run (issue 14).
 
 Engines, all on the same model folder, float32, prefix caching off, a 1 GiB KV cache
-(``kv_cache_memory_bytes``), with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (``--omp-bind``: with
-``nobind`` the worker's OpenMP threads, one per core, are not pinned and share the cores with the
-engine core and this process; vLLM's default ``auto`` pins them to the cores left after it
-reserves one for the other processes: here one each), ``HF_HUB_OFFLINE=1``, ``TOKENIZERS_PARALLELISM=false`` and
+(``kv_cache_memory_bytes``), with ``VLLM_CPU_OMP_THREADS_BIND=auto`` (vLLM's default, which
+``asyncpp.VllmEngine`` keeps for one-worker engines: the worker's OpenMP threads are pinned to the
+cores left after one is reserved for the engine core and this process; here one each. ``--omp-bind
+nobind`` leaves them unpinned, sharing every core: on 2 cores other work then stalls them), ``HF_HUB_OFFLINE=1``, ``TOKENIZERS_PARALLELISM=false`` and
 ``VLLM_LOGGING_LEVEL=ERROR`` (unless set) in the environment of the whole run, so every engine's
 processes inherit the same:
 
@@ -51,7 +51,7 @@ descendants whose process title (``/proc/<pid>/cmdline``, as ``psutil`` reads it
 engine core is the one titled ``VLLM::EngineCore``. For asyncpp engines both ways are used and
 must agree (reported). The figures are medians over rounds. The machine's CPU (``/proc/stat``)
 during each batch is read too: what other work took ("other work", in cores) is reported beside the
-ratios, since on 2 cores with ``nobind`` a core taken by other work stalls the worker's OpenMP
+ratios, since on 2 cores (with ``nobind`` most of all) a core taken by other work stalls the worker's OpenMP
 threads and inflates its CPU per token many times over.
 
 Ratios are asyncpp / stock in tokens per CPU second (higher is better), same model, B, settings
@@ -127,7 +127,7 @@ KV_CACHE_BYTES = 2**30
 MAX_MODEL_LEN = 512
 
 # the environment every engine of the run gets (its processes inherit it)
-ENV_FORCED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+ENV_FORCED = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "HF_HUB_OFFLINE": "1"}
 ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"}
 
 # the scheduler options asyncpp.VllmEngine.__init__ forces (asyncpp/engines/vllm/engine.py)
@@ -1116,7 +1116,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--omp-bind",
         default=ENV_FORCED["VLLM_CPU_OMP_THREADS_BIND"],
-        help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind; 'auto' is vLLM's own default)",
+        help="VLLM_CPU_OMP_THREADS_BIND for every engine (default auto, vLLM's own and asyncpp's for one worker)",
     )
     ap.add_argument(
         "--quick",
