@@ -43,6 +43,7 @@ struct RunLink {
   PyObject* budget_enter;  // budget_enter(block) / budget_leave(block): a run whose blocks have a
   PyObject* budget_leave;  // time budget (kernel.budget not None) times each outermost resume
   PyObject* special;       // set of module indices the fast path leaves to the kernel (or nullptr)
+  PyObject* guarded;       // set of module indices whose output waits the kernel must park itself
   PyObject* visit_out;     // the output of the call being served by the fast path
   Py_ssize_t visit_index;
   Py_ssize_t visit_n;
@@ -101,6 +102,7 @@ int link_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(s->budget_leave);
   Py_VISIT(s->visit_out);
   Py_VISIT(s->special);
+  Py_VISIT(s->guarded);
   for (int i = 0; i < s->npool; i++) Py_VISIT(s->pool[i]);
   return 0;
 }
@@ -120,6 +122,7 @@ void drop_run(RunLink* s) {
   Py_CLEAR(s->budget_leave);
   Py_CLEAR(s->visit_out);
   Py_CLEAR(s->special);
+  Py_CLEAR(s->guarded);
   s->fast = s->in_visit = 0;
   s->bypass = 0;
 }
@@ -155,6 +158,7 @@ PyObject* link_new(PyTypeObject* type, PyObject*, PyObject*) {
   s->budget_enter = s->budget_leave = nullptr;
   s->visit_out = nullptr;
   s->special = nullptr;
+  s->guarded = nullptr;
   s->npool = 0;
   s->visit_index = s->visit_n = -1;
   s->step = 0;
@@ -173,7 +177,7 @@ PyObject* link_new(PyTypeObject* type, PyObject*, PyObject*) {
 const char* field_names[] = {"kernel",  "hot_in",   "hot_out", "counts",       "waits",
                              "refs_out", "ready",   "visit",   "visit_output", "resume",
                              "complete", "fail",    "serve",   "budget_enter", "budget_leave",
-                             "special",  "fast",    "step"};
+                             "special",  "fast",    "step",    "guarded"};
 constexpr int n_fields = sizeof(field_names) / sizeof(field_names[0]);
 PyObject* field_keys[n_fields];
 
@@ -195,6 +199,11 @@ PyObject* link_attach(PyObject* o, PyObject* fields) {
   if (fast < 0 || (step == -1 && PyErr_Occurred())) return nullptr;
   PyObject* special_set = PySet_New(v[15]);  // a set of the link's own (any iterable is taken)
   if (!special_set) return nullptr;
+  PyObject* guarded_set = PySet_New(v[18]);
+  if (!guarded_set) {
+    Py_DECREF(special_set);
+    return nullptr;
+  }
   auto* s = reinterpret_cast<RunLink*>(o);
   drop_run(s);
   PyObject** kept[] = {&s->kernel, &s->hot_in,       &s->hot_out, &s->counts,   &s->waits,
@@ -205,6 +214,7 @@ PyObject* link_attach(PyObject* o, PyObject* fields) {
     Py_XSETREF(*kept[i], v[i]);
   }
   s->special = special_set;
+  s->guarded = guarded_set;
   s->fast = fast && location_type && wait_type;
   s->step = step;
   Py_RETURN_NONE;
@@ -339,6 +349,15 @@ int try_park(RunLink* s, PyObject* block, PyObject* msg) {
   if (s->in_visit && idx == s->visit_index && o == s->visit_n) return 0;  // the call being served
   if (idx < 0 || idx >= PyList_GET_SIZE(s->counts) || idx >= PyList_GET_SIZE(s->refs_out)) return 0;
   if (o < PyLong_AsSsize_t(PyList_GET_ITEM(s->counts, idx))) return 0;  // passed: an order error
+  if (s->guarded && PySet_GET_SIZE(s->guarded) > 0) {  // the kernel's refuse hook decides these
+    PyObject* index = PyLong_FromSsize_t(idx);
+    const int g = index ? PySet_Contains(s->guarded, index) : -1;
+    Py_XDECREF(index);
+    if (g != 0) {
+      PyErr_Clear();
+      return 0;
+    }
+  }
   PyObject* lst = PyDict_GetItemWithError(s->waits, key);
   if (lst) {
     Py_ssize_t n = PyList_GET_SIZE(lst);
@@ -689,6 +708,44 @@ PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargs
   return out;
 }
 
+// controller.after(out): what the controller does once its module's call has returned ``out``, for
+// a call that ran where no controller can (a compiled engine's tap): serve the output waits
+// (natively when the fast path may) or count the call; returns the output the model goes on with.
+PyObject* controller_after(PyObject* o, PyObject* out) {
+  auto* c = reinterpret_cast<Controller*>(o);
+  RunLink* s = c->link;
+  if (s->kernel == Py_None || s->bypass) return Py_NewRef(out);
+  int hot = PySet_Contains(s->hot_out, c->index);
+  if (hot < 0) return nullptr;
+  if (hot) {
+    Py_INCREF(out);
+    if (s->fast) {
+      PyObject* result;
+      if (fast_serve(c, s, out, &result)) return result;  // (it took our reference)
+    }
+    PyObject* call_args[2] = {c->index, out};
+    PyObject* visit_output = s->visit_output;
+    Py_INCREF(visit_output);
+    PyObject* r = PyObject_Vectorcall(visit_output, call_args, 2, nullptr);
+    Py_DECREF(visit_output);
+    Py_DECREF(out);
+    return r;
+  }
+  PyObject* counts = s->counts;
+  if (c->idx < PyList_GET_SIZE(counts)) {
+    PyObject* old = PyList_GET_ITEM(counts, c->idx);
+    PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
+    if (!next) return nullptr;
+    PyList_SET_ITEM(counts, c->idx, next);
+    Py_DECREF(old);
+  }
+  return Py_NewRef(out);
+}
+
+PyMethodDef controller_methods[] = {
+    {"after", controller_after, METH_O, "Serve (or count) a call of the module that returned the argument."},
+    {nullptr, nullptr, 0, nullptr}};
+
 int controller_traverse(PyObject* o, visitproc visit, void* arg) {
   auto* c = reinterpret_cast<Controller*>(o);
   Py_VISIT(c->link);
@@ -884,6 +941,7 @@ void asyncpp::register_controllers(pybind11::module_& m) {
   ControllerType.tp_clear = controller_clear;
   ControllerType.tp_call = PyVectorcall_Call;
   ControllerType.tp_vectorcall_offset = offsetof(Controller, vectorcall);
+  ControllerType.tp_methods = controller_methods;
   ControllerType.tp_members = controller_members;
   if (PyType_Ready(&ControllerType) < 0) throw pybind11::error_already_set();
 

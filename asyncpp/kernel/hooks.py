@@ -36,7 +36,8 @@ class RunHooks:
       divides the logits by the temperature): once blocks have seen it, the model gets a copy.
     * ``refuse(index, kind) -> error | None``: asked before a block parks on a location; an error
       (raised at the block's ``await``) when this engine can never serve it (a compiled engine's
-      location that is not a tap).
+      location that is not a tap); ``refuse_at``: the modules at whose output it may refuse (the
+      native fast path leaves waits on their output to the kernel).
     """
 
     on_step: Callable[[int], list] | None = None
@@ -49,12 +50,13 @@ class RunHooks:
     shard_in: Mapping[int, Any] | None = None
     copy_after: frozenset[int] = frozenset()
     refuse: Callable[[int, int], BaseException | None] | None = None
+    refuse_at: frozenset[int] = frozenset()
 
     @property
     def fast_path(self) -> bool:
         """Whether the native fast path may serve plain reads: only when no hook must see every
-        served value or decide where (or whether) a location is served."""
-        return self.intercept is None and self.publish is None and self.refuse is None
+        served value or decide where a location is served."""
+        return self.intercept is None and self.publish is None
 
     def special_modules(self) -> frozenset[int]:
         """Modules whose values the kernel transforms on the way (narrowed per request, gathered

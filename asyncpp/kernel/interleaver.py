@@ -159,6 +159,7 @@ class Interleaver:
             "special": self._special,
             "fast": self.fast_path,
             "step": self.step,
+            "guarded": self.hooks.refuse_at,
         }
 
     def set_batch(self, batch_size: int, req_batch: int) -> None:

@@ -19,6 +19,8 @@ The contract. All controllers of a model share one run link (``RunLink`` nativel
   at the input stage / output; ``counts``: completed calls per module in the current step (list);
   these are read once and mutated in place by the kernel;
 * ``visit(index, forward, args, kwargs)`` / ``visit_output(index, out)``: a hot call;
+* ``guarded``: modules whose output waits the kernel parks itself (its ``refuse`` hook may reject
+  them): the fast path does not park a block's next wait there;
 * for the native fast path only: ``waits`` (wait key -> list of ``kernel.block.Wait``),
   ``refs_out``, ``ready``, ``resume(block, value, exc, msg, entered)``, ``complete(block, value)``,
   ``fail(block, exc)``, ``serve()``, ``budget_enter(block)`` / ``budget_leave(block)``, ``special``
@@ -135,6 +137,10 @@ def _weak_forward(module: nn.Module) -> Callable:
     return forward
 
 
+def _no_forward(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("asyncpp: an output server's controller is never called")
+
+
 class Controllers:
     """The controllers of one model and their shared link, installed for a run and removed after."""
 
@@ -161,6 +167,24 @@ class Controllers:
             else:
                 forward = type(module).forward.__get__(module)
             self._controllers.append(make(self.link, index, forward, own, module.__dict__))
+
+    def output_server(self, index: int) -> Callable[[Any], Any]:
+        """``serve(out) -> out``: what module ``index``'s controller does once a call of the module
+        has returned ``out``, for calls that run where no controller can (a compiled engine's tap):
+        serve its output waits, natively where the fast path may, or count the call."""
+        if self.native:
+            return load().Controller(self.link, index, _no_forward, None, {}).after
+        link = self.link
+
+        def after(out: Any) -> Any:
+            if link.kernel is None or link.bypass:
+                return out
+            if index in link.hot_out:
+                return link.visit_output(index, out)
+            link.counts[index] += 1
+            return out
+
+        return after
 
     def install(self, kernel: Any) -> None:
         """Attach ``kernel``'s run to the link and shadow every module's forward."""

@@ -9,7 +9,12 @@ from torch import nn
 
 from asyncpp.engines.vllm import taps
 from asyncpp.kernel.errors import TapError
+from asyncpp.kernel.hooks import RunHooks
+from asyncpp.kernel.interleaver import Interleaver
 from asyncpp.kernel.traps import INPUT, INPUTS, OUTPUT, SKIP
+from asyncpp.locations.tree import build_tree
+from asyncpp.native import enabled
+from asyncpp.native.controllers import Controllers
 
 PATHS = [
     "",
@@ -117,107 +122,124 @@ class Stack(nn.Module):
         return x + r
 
 
-class Recorder:
-    """Stands in for the worker's interleaver: what the tap operator calls back into."""
+class Outer(nn.Module):
+    """The top-level model, run eagerly with a controller; its ``inner`` stack runs compiled."""
 
-    def __init__(self, n: int, edit: dict | None = None):
-        self.table_hot_in: set = set()
-        self.hot_out: set = set()
-        self.counts = [0] * n
-        self.seen: list = []
-        self.edit = edit or {}
+    def __init__(self):
+        super().__init__()
+        self.inner = Stack()
 
-    def link_fields(self):
-        return {
-            "hot_in": self.table_hot_in,
-            "hot_out": self.hot_out,
-            "counts": self.counts,
-            "visit_output": self.visit_output,
-        }
-
-    def visit_input(self, index, value):
-        self.seen.append(("in", index, value.shape))
-        return value * 0 if "zero_in" in self.edit else value
-
-    def visit_output(self, index, out):
-        self.seen.append(("out", index, tuple(t.shape for t in out)))
-        if self.edit.get(index) == "in_place":
-            out[0].add_(100.0)
-            return out
-        if self.edit.get(index) == "replace":
-            return (out[0] * 0, out[1])
-        return out
+    def forward(self, x):
+        return self.inner(x)
 
 
-def tapped_stack(inputs: bool = False) -> Stack:
+def compiled_run(choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool = False):
+    """Run ``blocks`` (pairs of block function and rows) on an ``Outer`` whose stack is compiled by
+    inductor with its layers tapped, on a real interleaver and controllers (``choice``)."""
+    monkeypatch.setenv("ASYNCPP_CONTROLLERS", choice)
     torch.manual_seed(0)
-    m = Stack().eval()
-    for i, layer in enumerate(m.layers):
-        layer.forward = taps.tapped_forward(layer.forward, i, f"layers.{i}", input=inputs)
-    return m
-
-
-@pytest.fixture
-def bound():
-    made = []
-
-    def bind(kernel):
-        taps.bind(kernel, None)
-        made.append(kernel)
-        return kernel
-
-    yield bind
-    taps.unbind()
-
-
-def test_a_compiled_tap_nobody_waits_on_counts_the_call_and_changes_nothing(bound):
-    m = tapped_stack()
-    x = torch.randn(5, 8)
-    with torch.inference_mode():
-        ref = m(x)
-        k = bound(Recorder(3))
-        out = torch.compile(m, backend="inductor", dynamic=True)(x)
-    torch.testing.assert_close(out, ref)
-    assert k.counts == [1, 1, 1] and k.seen == []
-
-
-def test_compiled_taps_serve_reads_in_place_edits_and_replacements(bound):
-    m = tapped_stack()
-    x = torch.randn(5, 8)
-    with torch.inference_mode():
-        plain = m(x)
-        k = bound(Recorder(3, {0: "in_place", 1: "replace"}))
-        k.hot_out.update({0, 1, 2})
-        compiled = torch.compile(m, backend="inductor", dynamic=True)
-        out = compiled(x)
-        again = compiled(torch.randn(7, 8))  # another token count: the same graph
-    assert [s[:2] for s in k.seen] == [("out", 0), ("out", 1), ("out", 2)] * 2
-    assert k.seen[3][2] == ((7, 8), (7, 8))
-    assert again.shape == (7, 8)
-    with torch.inference_mode():  # the same edits made by plain hooks, uncompiled
+    model = Outer().eval()
+    tree, modules, paths = build_tree(model, {})
+    plan = taps.TapPlan(
+        paths, [type(m).__name__ for m in modules], ["inner"], ["inner.layers.*.input"] if inputs else []
+    )
+    for i in sorted(plan.sites | plan.in_sites):
+        modules[i].forward = taps.tapped_forward(
+            modules[i].forward, i, paths[i], output=i in plan.sites, input=i in plan.in_sites
+        )
+    model.inner.forward = torch.compile(model.inner.forward, backend="inductor", dynamic=True)
+    controllers = Controllers([m if i not in plan.inside else None for i, m in enumerate(modules)])
+    hooks = RunHooks(refuse=plan.refuse, refuse_at=plan.inside - plan.sites)
+    kernel = Interleaver(paths, x.shape[0], step_index=0, hooks=hooks, link=controllers.link)
+    controllers.install(kernel)
+    taps.bind(kernel, controllers, plan.sites)
+    try:
+        with kernel.active(), torch.inference_mode():
+            started = [kernel.start(fn(tree), n, rows) for n, (fn, rows) in enumerate(blocks)]
+            out = model(x)
+            kernel.finish()
+    finally:
         taps.unbind()
-        ref_m = tapped_stack()
-        ref_m.layers[0].register_forward_hook(lambda mod, a, o: (o[0] + 100.0, o[1]))
-        ref_m.layers[1].register_forward_hook(lambda mod, a, o: (o[0] * 0, o[1]))
-        ref = ref_m(x)
-    assert not torch.allclose(out, plain)
+        controllers.remove()
+    return model, out, started
+
+
+CHOICES = ["native", "python"] if enabled() else ["python"]
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_compiled_taps_serve_reads_edits_and_replacements_per_rows(choice, monkeypatch):
+    x = torch.randn(5, 8)
+
+    async def reader(m):
+        return [(await layer.output)[0].clone() for layer in m.inner.layers]
+
+    async def editor(m):
+        h, r = await m.inner.layers[0].output
+        h += 100.0  # in place: lands in the graph's tensor, these rows only
+        h, r = await m.inner.layers[1].output
+        await m.inner.layers[1].output.set((h * 0, r))
+        return (await m.inner.layers[2].output)[1].clone()
+
+    model, out, (a, b) = compiled_run(choice, monkeypatch, [(reader, (0, 2)), (editor, (2, 5))], x)
+    assert a.error is None and b.error is None, (a.error, b.error)
+
+    def edit0(mod, args, o):
+        h = o[0].clone()
+        h[2:5] += 100.0
+        return h, o[1]
+
+    def edit1(mod, args, o):
+        h = o[0].clone()
+        h[2:5] = 0
+        return h, o[1]
+
+    torch.manual_seed(0)
+    ref_model = Outer().eval()
+    seen = []
+    hooks = [
+        ref_model.inner.layers[0].register_forward_hook(edit0),
+        ref_model.inner.layers[1].register_forward_hook(edit1),
+    ] + [layer.register_forward_hook(lambda mod, args, o: seen.append(o)) for layer in ref_model.inner.layers]
+    with torch.no_grad():
+        ref = ref_model(x)
+    for h in hooks:
+        h.remove()
     torch.testing.assert_close(out, ref)
+    for got, want in zip(a.result, seen, strict=True):
+        torch.testing.assert_close(got, want[0][0:2])
+    torch.testing.assert_close(b.result, seen[2][1][2:5])
+    assert not torch.allclose(out, model(x))  # (the edits changed the output)
 
 
-def test_compiled_input_taps_serve_the_first_argument(bound):
-    m = tapped_stack(inputs=True)
+@pytest.mark.parametrize("choice", CHOICES)
+def test_an_untapped_compiled_location_is_refused_after_a_fast_served_read(choice, monkeypatch):
+    async def block(m):
+        await m.inner.layers[0].output  # a tap (served natively where the fast path may)
+        return await m.inner.layers[1].lin.output  # not a tap: refused, not parked for ever
+
+    _, _, (blk,) = compiled_run(choice, monkeypatch, [(block, None)], torch.randn(3, 8))
+    assert isinstance(blk.error, TapError), blk.error
+    assert "inner.layers.1.lin.output is not a tap" in str(blk.error)
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_compiled_input_taps_serve_the_first_argument(choice, monkeypatch):
     x = torch.randn(4, 8)
-    with torch.inference_mode():
-        k = bound(Recorder(3, {"zero_in": True}))
-        k.table_hot_in.add(2)
-        out = torch.compile(m, backend="inductor", dynamic=True)(x)
-    assert k.seen == [("in", 2, torch.Size([4, 8]))]
-    assert k.counts == [1, 1, 1]
-    with torch.inference_mode():
-        taps.unbind()
-        ref_m = tapped_stack()
-        ref_m.layers[2].register_forward_pre_hook(lambda mod, a: (a[0] * 0, a[1]))
-        ref = ref_m(x)
+
+    async def block(m):
+        first = await m.inner.layers[2].input
+        kept = first.clone()
+        first.zero_()  # an in-place edit of the argument the layer runs on
+        return kept
+
+    _, out, (blk,) = compiled_run(choice, monkeypatch, [(block, None)], x, inputs=True)
+    assert blk.error is None, blk.error
+    torch.manual_seed(0)
+    ref_model = Outer().eval()
+    ref_model.inner.layers[2].register_forward_pre_hook(lambda mod, a: (a[0] * 0, a[1]))
+    with torch.no_grad():
+        ref = ref_model(x)
     torch.testing.assert_close(out, ref)
 
 

@@ -38,23 +38,26 @@ BARE = -1  # layout of an output that is one tensor; else one entry per tuple it
 class _Server:
     """The worker's interleaver as the taps see it (one per process: a worker serves one model)."""
 
-    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "visit_output", "link")
+    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "after", "link")
 
-    def __init__(self, kernel: Any, link: Any):
+    def __init__(self, kernel: Any, controllers: Any, sites: Iterable[int]):
         fields = kernel.link_fields()
         self.hot_in, self.hot_out, self.counts = fields["hot_in"], fields["hot_out"], fields["counts"]
-        self.visit_input, self.visit_output = kernel.visit_input, fields["visit_output"]
-        self.link = link
+        self.visit_input = kernel.visit_input
+        # per output tap, what its module's controller would do after the call (native: the fast path)
+        self.after = {i: controllers.output_server(i) for i in sites}
+        self.link = controllers.link
 
 
 _server: _Server | None = None
 
 
-def bind(kernel: Any, link: Any) -> None:
-    """Serve this process's taps from ``kernel`` (``link``: the controllers' run link, whose
-    ``bypass`` says a block's own code is running)."""
+def bind(kernel: Any, controllers: Any, sites: Iterable[int]) -> None:
+    """Serve this process's taps from ``kernel``, through ``controllers`` (the model's
+    :class:`~asyncpp.native.controllers.Controllers`, whose link the kernel drives) at the output
+    taps ``sites``."""
     global _server
-    _server = _Server(kernel, link)
+    _server = _Server(kernel, controllers, sites)
 
 
 def unbind() -> None:
@@ -80,7 +83,7 @@ def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None
             values[0].copy_(new)
         return
     out = values[0] if layout[0] == BARE else _assemble(values, layout)
-    new = server.visit_output(site, out)
+    new = server.after[site](out)
     if new is not out:
         _copy_into(values, new, layout)
 

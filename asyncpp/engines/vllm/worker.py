@@ -163,6 +163,7 @@ class WorkerSession:
             # the sampler edits the logits in place (temperature): blocks keep what they were served
             copy_after=frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor"),
             refuse=None if self.plan is None else self.plan.refuse,
+            refuse_at=frozenset() if self.plan is None else self.plan.inside - self.plan.sites,
         )
         if pipeline is not None:
             self.stage = StageSession(ownership, pipeline.stage, pipeline.service, self._num_of)
@@ -180,7 +181,7 @@ class WorkerSession:
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
         if self.plan is not None:
-            taps.bind(kernel, self.controllers.link)
+            taps.bind(kernel, self.controllers, self.plan.sites)
         kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
