@@ -3,6 +3,7 @@ the point is the mechanics). This is what ``make demo`` runs.
 
     .venv/bin/python examples/demo.py                  # the local engine (default)
     .venv/bin/python examples/demo.py --engine vllm    # the same tour on a vLLM engine
+    .venv/bin/python examples/demo.py --engine vllm --mode compiled   # on vLLM's compiled model
 
 The blocks are written once for both engines. Two things differ on vLLM (see docs/vllm.md): a
 decoder layer returns ``(mlp_out, residual)`` over the request's token rows ``[tokens, hidden]``
@@ -98,19 +99,19 @@ def block_frame(err, block):
     return frame.name, frame.lineno
 
 
-def make_engine(kind, model, tok):
+def make_engine(kind, model, tok, mode=None):
     if kind == "local":
         return asyncpp.LocalEngine(model, tok)
     # float32 like the local model: same numbers; the engine prints one progress line as it starts
     # (vllm_logs=True, or ASYNCPP_VLLM_LOGS=1, shows vLLM's own)
-    engine = asyncpp.VllmEngine(dtype="float32")
+    engine = asyncpp.VllmEngine(dtype="float32", mode=mode)
     print(flush=True)
     return engine
 
 
-async def main(kind):
+async def main(kind, mode=None):
     model, tok = load_tiny()  # on vLLM: the logit lens and the steering vector use its weights
-    engine = make_engine(kind, model, tok)
+    engine = make_engine(kind, model, tok, mode)
     try:
         await tour(engine, model, tok, kind)
     finally:
@@ -192,4 +193,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--engine", choices=["local", "vllm"], default="local", help="where the model runs (default: local)"
     )
-    asyncio.run(main(parser.parse_args().engine))
+    parser.add_argument(
+        "--mode",
+        choices=["eager", "compiled"],
+        default=None,
+        help="the vLLM engine's mode (default: VllmEngine's; compiled: blocks at taps, see docs/vllm.md)",
+    )
+    args = parser.parse_args()
+    asyncio.run(main(args.engine, args.mode))

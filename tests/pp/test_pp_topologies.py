@@ -2,7 +2,9 @@
 engine in its own processes, running the same blocks. Parity: argmax equal, cosine >= 0.9999.
 
 Each class holds its two engines for its own tests only (class-scoped), so at most two engines
-run at once.
+run at once. Eager engines only: test_pp_engine.py runs PP=2 on eager and compiled engines, and
+the topologies here add nothing mode-specific (the tap operator is the same on every stage), while
+compiled PP=3 and TP=2 x PP=2 engines would add minutes of compilation on a fresh machine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ that crawls through a generation, sleeping on the model thread at every step), w
 (untrusted, small limits) and `root` (trusted), and `--allow-code`. Results are checked against the
 same checkpoint run in this process by a `LocalEngine` (Hugging Face), and concurrent answers
 against the same requests run alone. The app mounted in a parent FastAPI app is served by uvicorn
-in a thread, on a `LocalEngine`.
+in a thread, on a `LocalEngine`. The server's engine is eager: the HTTP layer does not depend on
+the engine's mode, and test_serve_stream.py serves a compiled engine.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 One server subprocess (vLLM, the embedded tiny model, float32) for the module, with two tokens:
 `alice` (max_concurrent 2, max_new_tokens 32) and `root`. Greedy tokens are checked against
-Hugging Face's greedy generation on the same checkpoint, in this process.
+Hugging Face's greedy generation on the same checkpoint, in this process. The server's engine is
+eager (these routes are vLLM's own, over the engine's `AsyncLLM`, in either mode; test_serve_stream.py
+serves a compiled engine, and test_vllm_compiled.py checks compiled greedy tokens against stock vLLM).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """A vLLM engine whose worker dies: every trace fails at once with asyncpp's ``EngineDeadError``.
 
 Each test starts an engine of its own (15-30 s) and kills one of its workers for real, with
-SIGKILL, while a request is running in it.
+SIGKILL, while a request is running in it. Eager engines only: a dead process is noticed by the
+driver's watch of vLLM's processes, which is the same in either mode, and a compiled engine of
+each kind would add a start per test (tests/vllm/test_vllm_compiled.py covers compiled failures
+that are a block's own).
 """
 
 from __future__ import annotations
