@@ -85,9 +85,12 @@ class Server:
             time.sleep(0.05)
 
 
-def start_server(directory: Path, test_blocks: str, *options: str, cls: type = Server) -> Iterator[Server]:
+def start_server(
+    directory: Path, test_blocks: str, *options: str, cls: type = Server, ready_s: float = 90
+) -> Iterator[Server]:
     """Start the server with examples/serve_blocks.py and ``test_blocks`` (module source), wait until
-    it is ready, yield it, and stop it (SIGTERM, then SIGKILL): a fixture's body, ``yield from``."""
+    it is ready (at most ``ready_s``), yield it, and stop it (SIGTERM, then SIGKILL): a fixture's
+    body, ``yield from``."""
     tokens = directory / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     blocks = directory / "test_blocks.py"
@@ -104,7 +107,7 @@ def start_server(directory: Path, test_blocks: str, *options: str, cls: type = S
             cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     url = None
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + ready_s
     try:
         while url is None:
             text = log.read_text(errors="replace")
@@ -114,7 +117,7 @@ def start_server(directory: Path, test_blocks: str, *options: str, cls: type = S
             if proc.poll() is not None:
                 pytest.fail(f"the server exited ({proc.returncode}) before it was ready:\n{text[-3000:]}")
             if time.monotonic() > deadline:
-                pytest.fail(f"the server was not ready within 90 s:\n{text[-3000:]}")
+                pytest.fail(f"the server was not ready within {ready_s:.0f} s:\n{text[-3000:]}")
             time.sleep(0.2)
         assert url.startswith("http://127.0.0.1:")
         yield cls(proc, url, log)
