@@ -41,12 +41,30 @@ ablation must change the clean logits, and the lens of the last layer must repro
 own final logits (same argmax, total variation < ``LENS_TV_MAX``). A failed check is printed as
 ``FAIL: ...`` and the exit status is 1.
 
+``--mode`` chooses the engines. ``eager`` (the default) is all of the above. ``compiled`` runs every
+configuration on vLLM's compiled model instead, ``VllmEngine(dtype="float32", mode="compiled",
+taps=COMPILED_TAPS)``: blocks are served at taps, the default ones (every decoder layer's output:
+the lens, steering, patching) and every layer's MLP output (``model.layers.*.mlp``: the ablation
+and attribution); PP=2 is compared with compiled PP=1 and so on, as above, with the same targets
+and effect checks. ``both`` runs each configuration twice, eager then compiled (one engine at a
+time still), makes both comparisons above, and adds one table, **compiled against eager**, per
+configuration and workload: top-1 agreement, the largest total variation, the largest absolute
+difference of the logits (attribution: and of the recorded changes) and, for the logit lens (and
+the residual that activation patching reads), of the hidden states, the residual stream the block
+reads; targets top-1 1.00 and max abs difference <= ``MAX_ABS_TARGET`` (1e-4) for logits and
+hidden states, equal tokens; the wall time ratio compiled / eager is information only. In these
+two modes the lens block also returns the residuals it reads, to compare them. An engine that fails
+to start or to run a workload in compiled mode is reported as a failed check (an eager one stops
+the script, as before).
+
 Usage::
 
     .venv/bin/python benchmarks/pp_parity.py                 # PP=2 against PP=1, print the table
     .venv/bin/python benchmarks/pp_parity.py --write         # also update docs/performance.md
     .venv/bin/python benchmarks/pp_parity.py --tp            # also TP=2 x PP=2 against TP=2 (slow)
     .venv/bin/python benchmarks/pp_parity.py --quick         # 3 prompts, 1 timed run: to try it
+    .venv/bin/python benchmarks/pp_parity.py --mode compiled # the same on compiled engines
+    .venv/bin/python benchmarks/pp_parity.py --mode both     # both, and compiled against eager
 """
 
 from __future__ import annotations
@@ -58,6 +76,7 @@ import platform
 import sys
 import textwrap
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -93,6 +112,12 @@ TOP1_TARGET = 1.0
 TV_TARGET = 0.0005  # "0.000" at 3 decimals
 EFFECT_MIN = 1e-3  # an intervention must move some logit of every cell by more than this
 LENS_TV_MAX = 1e-4  # the last layer's lens against the model's own logits
+MAX_ABS_TARGET = 1e-4  # compiled against eager: logits and hidden states, float32
+
+MODES = ("eager", "compiled", "both")
+# the taps a compiled engine needs besides the default ones (every decoder layer's output, for the
+# lens, steering and patching): the ablation and attribution zero a layer's MLP output
+COMPILED_TAPS = ["model.layers.*.mlp"]
 
 
 perf = time.perf_counter
@@ -106,13 +131,18 @@ async def final_logits(m):
     return (await m.logits)[0].clone()
 
 
-async def logit_lens(m, w_norm, w_lm, eps):
-    lens = []
+async def logit_lens(m, w_norm, w_lm, eps, keep_resid=False):
+    lens, resid = [], []
     for layer in m.model.layers:
         out = await layer.output  # (mlp_out, residual): index, never unpack (a remote value)
         h = (out[0] + out[1])[-1]
         lens.append((F.rms_norm(h, (w_norm.shape[0],), w_norm, eps) @ w_lm.T).clone())
-    return {"lens": lens, "logits": (await m.logits)[0].clone()}
+        if keep_resid:  # the residual stream the lens reads, to compare engines by it too
+            resid.append(h.clone())
+    found = {"lens": lens, "logits": (await m.logits)[0].clone()}
+    if keep_resid:
+        found["resid"] = resid
+    return found
 
 
 async def steer(m, vec, layer):
@@ -170,6 +200,7 @@ class Ctx:
     eps: float
     layers: int
     new_tokens: int
+    keep_resid: bool = False  # the lens returns the residuals it reads (compiled and both modes)
 
 
 def run(engine: Any, invokes: list[tuple], **kw: Any) -> list[Any]:
@@ -197,11 +228,15 @@ def w_plain_gen(engine: Any, ctx: Ctx) -> Out:
 
 
 def w_lens(engine: Any, ctx: Ctx) -> Out:
-    hs = run(engine, [(p, logit_lens, ctx.w_norm, ctx.w_lm, ctx.eps) for p in ctx.prompts])
+    args = (ctx.w_norm, ctx.w_lm, ctx.eps) + ((True,) if ctx.keep_resid else ())
+    hs = run(engine, [(p, logit_lens, *args) for p in ctx.prompts])
+    extra: dict[str, Any] = {"final": [h.result["logits"] for h in hs]}
+    if ctx.keep_resid:
+        extra["resid"] = [r for h in hs for r in h.result["resid"]]
     return Out(
         [c for h in hs for c in h.result["lens"]],
         [f"p{i} layer {k}" for i, h in enumerate(hs) for k in range(len(h.result["lens"]))],
-        extra={"final": [h.result["logits"] for h in hs]},
+        extra=extra,
     )
 
 
@@ -351,6 +386,17 @@ def compare(ref: Out, got: Out) -> Compared:
     )
 
 
+def hidden_abs(ref: Out, got: Out) -> float | None:
+    """The largest absolute difference of the hidden states a workload returned (the lens: the
+    residual of every layer it reads; patching: the clean runs' residual), None when it has none."""
+    a, b = ref.extra.get("resid"), got.extra.get("resid")
+    if a is None or b is None:
+        return None
+    if len(a) != len(b):
+        return float("inf")
+    return max(max_abs(x, y) for x, y in zip(a, b, strict=True))
+
+
 def effect_checks(name: str, res: dict[str, Measured], corrupt: Out) -> tuple[dict[str, str], list[str]]:
     """What each intervention did against a run without it, on this engine; and the failures."""
     notes, fails = {}, []
@@ -416,6 +462,20 @@ class Config:
     options: dict[str, int]
     ref: str | None
     workers: int
+    mode: str = "eager"  # the engine's: "eager" or "compiled"
+    twin: str | None = None  # --mode both, compiled: the eager configuration of the same layout
+
+
+def config_name(layout: str, mode: str) -> str:
+    return layout if mode == "eager" else f"{layout} compiled"
+
+
+def engine_options(cfg: Config) -> dict[str, Any]:
+    """What ``VllmEngine`` gets besides ``dtype``: the layout, and for compiled engines the mode
+    and the taps the workloads need."""
+    if cfg.mode == "compiled":
+        return {**cfg.options, "mode": "compiled", "taps": COMPILED_TAPS}
+    return dict(cfg.options)
 
 
 def held_state(engine: Any, patience_s: float = 10.0) -> list[dict[str, int]]:
@@ -434,8 +494,15 @@ def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
     import asyncpp
 
     t0 = perf()
-    engine = asyncpp.VllmEngine(dtype="float32", **cfg.options)
+    engine = asyncpp.VllmEngine(dtype="float32", **engine_options(cfg))
     startup = perf() - t0
+    compiled = None
+    if cfg.mode == "compiled":
+        compiled = {
+            "taps": list(engine.taps),
+            "compile_seconds": engine.compile_seconds,
+            "cached": engine.compile_cached,
+        }
     try:
         if len(engine.worker_stats()) != cfg.workers:
             raise SystemExit(
@@ -444,7 +511,12 @@ def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
         corrupt = w_plain_corrupt(engine, ctx)
         res = {}
         for name, fn in WORKLOADS.items():
-            res[name] = measure(engine, fn, ctx, repeats)
+            try:
+                res[name] = measure(engine, fn, ctx, repeats)
+            except Exception as e:
+                if cfg.mode != "compiled":
+                    raise
+                raise RuntimeError(f"{name}: {type(e).__name__}: {e}") from e
             print(
                 f"  {cfg.name}: {name}: {median(res[name].times) * 1000:.0f} ms, "
                 f"{res[name].pulled[-1]} bytes pulled per run",
@@ -458,11 +530,120 @@ def run_config(cfg: Config, ctx: Ctx, repeats: int) -> dict[str, Any]:
     notes, fails = effect_checks(cfg.name, res, corrupt)
     if any(leftover):
         fails.append(f"{cfg.name}: state left on the workers after the run: {leftover}")
-    return {"res": res, "notes": notes, "fails": fails, "startup": startup, "close": closing}
+    return {
+        "res": res,
+        "notes": notes,
+        "fails": fails,
+        "startup": startup,
+        "close": closing,
+        "compiled": compiled,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
 # the report
+
+
+def report_modes(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str, list[str]]:
+    """--mode both: every compiled configuration against the eager one of the same layout."""
+    header = [
+        "workload (cells)",
+        "config",
+        "cells",
+        "top-1 agreement",
+        "max TV",
+        "max abs logit diff",
+        "max abs hidden-state diff",
+        "wall time ratio compiled / eager: medians (ms); fastest runs (info)",
+        "target",
+        "verdict",
+    ]
+    rows, fails = [], []
+    pairs = [
+        (c.twin, c)
+        for c in configs
+        if c.twin is not None and "error" not in done[c.name] and "error" not in done[c.twin]
+    ]
+    for twin, cfg in pairs:
+        if twin is None:
+            continue
+        for name in WORKLOADS:
+            ref, got = done[twin]["res"][name], done[cfg.name]["res"][name]
+            c = compare(ref.out, got.out)
+            hidden = hidden_abs(ref.out, got.out)
+            worst_abs = max(c.max_abs, c.values_abs or 0.0, hidden or 0.0)
+            ok = c.top1 >= TOP1_TARGET and worst_abs <= MAX_ABS_TARGET and c.tokens_equal is not False
+            if not ok:
+                fails.append(
+                    f"{cfg.name} vs {twin}, {name}: top-1 {c.top1:.2f}, max abs logit diff {c.max_abs:.2e}"
+                    + (f", top-1 logit changes {c.values_abs:.2e}" if c.values_abs is not None else "")
+                    + (f", hidden states {hidden:.2e}" if hidden is not None else "")
+                    + (", tokens differ" if c.tokens_equal is False else "")
+                    + f" (max TV {c.max_tv:.2e} at {c.worst})"
+                )
+            diff = f"{c.max_abs:.1e}"
+            if c.values_abs is not None:
+                diff += f"; top-1 logit changes {c.values_abs:.1e}"
+            if c.tokens_equal is not None:
+                diff += "; tokens " + ("equal" if c.tokens_equal else "**DIFFER**")
+            t_ref, t_got = median(ref.times), median(got.times)
+            rows.append(
+                [
+                    f"{name} ({CELLS[name]})",
+                    f"{cfg.name} vs {twin}",
+                    str(c.cells),
+                    f"{c.top1:.2f}",
+                    f"{c.max_tv:.2e}",
+                    diff,
+                    "-" if hidden is None else f"{hidden:.1e}",
+                    f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f} ms); "
+                    f"fastest runs {min(got.times) / min(ref.times):.2f}x",
+                    f"top-1 1.00, max abs <= {MAX_ABS_TARGET:g}",
+                    "pass" if ok else "**FAIL**",
+                ]
+            )
+    if not rows:
+        return "(no compiled configuration ran next to its eager one)", fails
+    return bench_common.md_table(header, rows), fails
+
+
+def compiled_text(configs: list[Config], done: dict[str, dict[str, Any]], args: Any) -> str:
+    """What the compiled engines were: their taps and how long they took to start."""
+    taps: list[str] = []
+    starts = []
+    for cfg in configs:
+        found = done[cfg.name]
+        if cfg.mode != "compiled" or "error" in found:
+            continue
+        info = found["compiled"]
+        taps = taps or info["taps"]
+        how = "from the compile cache" if info["cached"] else "cold"
+        starts.append(
+            f"{cfg.name} started in {found['startup']:.0f} s (compiled {how} in {info['compile_seconds']:.1f} s)"
+        )
+    text = (
+        'Compiled engines: `asyncpp.VllmEngine(dtype="float32", mode="compiled", '
+        f"taps={COMPILED_TAPS!r})`, blocks served at taps: the default ones (every decoder "
+        "layer's output, which the lens, steering and patching read or edit) and every layer's MLP "
+        "output (zeroed by the ablation and attribution); `m.logits` and `m.steps()` are outside "
+        "the compiled model."
+    )
+    if taps:
+        text += f" Their taps: {', '.join(f'`{t}`' for t in taps)}."
+    if starts:
+        text += " " + "; ".join(starts) + "."
+    if args.mode == "both":
+        text += (
+            " The table *compiled against eager* compares each compiled configuration cell by cell "
+            "with the eager one of the same layout: top-1 agreement, the largest TV, the largest "
+            "absolute difference of the logits (attribution: and of the recorded top-1 logit "
+            "changes), and of the hidden states where a workload returns them (the logit lens: "
+            "every layer's last-token residual the lens reads; patching: the clean runs' residual). "
+            f"Targets: top-1 1.00, max abs difference <= {MAX_ABS_TARGET:g} (logits and hidden "
+            "states), equal tokens. The wall time ratio compiled / eager (medians; fastest runs) is "
+            "information only."
+        )
+    return wrap(text)
 
 
 def machine_info() -> dict[str, str]:
@@ -517,9 +698,12 @@ def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str,
         "verdict",
     ]
     rows, fails = [], []
+    failed = {c.name for c in configs if "error" in done[c.name]}
+    fails += [f"{c.name}: {done[c.name]['error']}" for c in configs if c.name in failed]
+    configs = [c for c in configs if c.name not in failed]
     for name in WORKLOADS:
         for cfg in configs:
-            if cfg.ref is None:
+            if cfg.ref is None or cfg.ref in failed:
                 continue
             ref, got = done[cfg.ref]["res"][name], done[cfg.name]["res"][name]
             c = compare(ref.out, got.out)
@@ -585,6 +769,8 @@ def render(
     secs: dict[str, float],
     ctx: Ctx,
     args: Any,
+    compiled: str = "",
+    modes: str | None = None,
 ) -> str:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
@@ -597,9 +783,25 @@ def render(
         else " (`--tp` adds TP=2 against PP=1 and TP=2 x PP=2 against TP=2.)"
     )
     runs = f"{args.repeats} timed run{'s' if args.repeats != 1 else ''}"
+    engines = {
+        "eager": 'Every configuration is an `asyncpp.VllmEngine(dtype="float32")`',
+        "compiled": (
+            "Every configuration is a compiled `asyncpp.VllmEngine` (`--mode compiled`: vLLM's "
+            "compiled model, blocks served at taps)"
+        ),
+        "both": (
+            'Every configuration runs twice (`--mode both`), on an eager `asyncpp.VllmEngine(dtype="float32")` '
+            "and on a compiled one (vLLM's compiled model, blocks served at taps),"
+        ),
+    }[args.mode]
+    if args.mode == "both":
+        tp += (
+            " Each split is compared with the one-stage engine of its own mode, and every compiled "
+            "engine with the eager one of the same layout."
+        )
     what = (
         "Whether interpretability workloads give the same numbers when the engine is split into "
-        'pipeline stages. Every configuration is an `asyncpp.VllmEngine(dtype="float32")` on the '
+        f"pipeline stages. {engines} on the "
         "embedded tiny 4-layer Llama (random weights), one engine at a time: PP=2 (layers 0-1 / 2-3) "
         f"against PP=1.{tp} The same blocks run on the same {len(ctx.prompts)} prompts ({prompts}), "
         "greedy. Workloads: the logit lens (each layer's last-token residual through the final norm "
@@ -629,7 +831,7 @@ def render(
         "runs is given too: with other work on the 2 cores the medians swing (every run's time is "
         "in the details). On every engine the script also checks that each intervention "
         f"changed every cell's logits against a run without it (by more than {EFFECT_MIN:g} in some "
-        "logit), and that the last layer's lens reproduces the model's own logits; the second table "
+        f"logit), and that the last layer's lens reproduces the model's own logits; the {'second' if modes is None else 'last'} table "
         "says what each did."
     )
     status = "All checks passed." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails)
@@ -639,7 +841,14 @@ def render(
         wrap(how),
         f"Command: `{bench_common.command_line(__file__)}` ({date}; {took})",
     ]
-    paras += [f"{machine}\n- load average before the run: {args.load}", main, effects]
+    if compiled:
+        paras.insert(3, compiled)
+    paras += [f"{machine}\n- load average before the run: {args.load}"]
+    if modes is not None:
+        paras += ["**Split against one stage**", main, "**Compiled against eager**", modes]
+    else:
+        paras.append(main)
+    paras.append(effects)
 
     paras.append(status)
     return "\n\n".join(paras) + "\n"
@@ -661,6 +870,13 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--quick", action="store_true", help=f"{QUICK_PROMPTS} prompts, 1 timed run: to try the script"
+    )
+    ap.add_argument(
+        "--mode",
+        choices=MODES,
+        default="eager",
+        help="the engines: eager (default), compiled (vLLM's compiled model, blocks at taps), or both "
+        "(each configuration on both, and compiled against eager)",
     )
     ap.add_argument("--write", action="store_true", help="update the section in docs/performance.md")
     args = ap.parse_args()
@@ -701,29 +917,62 @@ def main() -> int:
     t_all = perf()
     info = machine_info()
     ctx = make_ctx(args.prompts)
-    configs = [
+    ctx.keep_resid = args.mode != "eager"
+    layouts = [
         Config("PP=1", {}, None, 1),
         Config("PP=2", {"pipeline_parallel_size": 2}, "PP=1", 2),
     ]
     if args.tp:
-        configs += [
+        layouts += [
             Config("TP=2", {"tensor_parallel_size": 2}, "PP=1", 2),
             Config("TP=2 x PP=2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "TP=2", 4),
         ]
+    modes = ["eager", "compiled"] if args.mode == "both" else [args.mode]
+    configs = [
+        Config(
+            config_name(lay.name, mode),
+            lay.options,
+            None if lay.ref is None else config_name(lay.ref, mode),
+            lay.workers,
+            mode,
+            twin=lay.name if mode == "compiled" and "eager" in modes else None,
+        )
+        for lay in layouts
+        for mode in modes
+    ]
     done, secs = {}, {}
     for cfg in configs:
         print(f"{cfg.name}: starting the engine", flush=True)
         t0 = perf()
-        done[cfg.name] = run_config(cfg, ctx, args.repeats)
+        try:
+            done[cfg.name] = run_config(cfg, ctx, args.repeats)
+        except Exception as e:
+            if cfg.mode != "compiled":
+                raise
+            # a compiled engine that fails is a finding, not the end of the run
+            traceback.print_exc()
+            done[cfg.name] = {"error": f"{type(e).__name__}: {e}"}
+            secs[cfg.name] = perf() - t0
+            print(f"{cfg.name}: FAILED after {secs[cfg.name]:.0f} s: {done[cfg.name]['error']}", flush=True)
+            continue
         secs[cfg.name] = perf() - t0
+        start = ""
+        if done[cfg.name]["compiled"] is not None:
+            info_c = done[cfg.name]["compiled"]
+            start = f", {'cached' if info_c['cached'] else 'cold'} compile {info_c['compile_seconds']:.1f} s"
         print(
-            f"{cfg.name}: done in {secs[cfg.name]:.0f} s (engine start {done[cfg.name]['startup']:.0f} s, "
-            f"close {done[cfg.name]['close']:.0f} s)",
+            f"{cfg.name}: done in {secs[cfg.name]:.0f} s (engine start {done[cfg.name]['startup']:.0f} s"
+            f"{start}, close {done[cfg.name]['close']:.0f} s)",
             flush=True,
         )
     main_table, effects, fails = report(configs, done)
+    modes_table = None
+    if args.mode == "both":
+        modes_table, mode_fails = report_modes(configs, done)
+        fails += mode_fails
+    compiled = compiled_text(configs, done, args) if args.mode != "eager" else ""
     secs = {"total": perf() - t_all, **{f"{k} engine": v for k, v in secs.items()}}
-    text = render(main_table, effects, fails, info, secs, ctx, args)
+    text = render(main_table, effects, fails, info, secs, ctx, args, compiled, modes_table)
     print(text)
     for f in fails:
         print(f"FAIL: {f}", file=sys.stderr)
