@@ -165,6 +165,8 @@ class EngineClient:
         try:
             try:
                 async for out in llm.generate(prompt, sp, rid, **kwargs):
+                    if attach is not None:
+                        engine.flush_streams()  # this step's values before its output
                     push(("out", out))
                 finished = True
             finally:

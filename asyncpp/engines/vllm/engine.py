@@ -314,6 +314,12 @@ class VllmEngine(Engine):
         """A number for a new request, unique in this engine (pipeline stages key buffers by it)."""
         return next(self._ids)
 
+    def flush_streams(self) -> None:
+        """On the engine's loop: deliver every streamed value already received from the workers.
+        Call it before passing on a request's new output: the values a block emitted in a step
+        were sent before the step's token was sampled, so they then come before it."""
+        self._receiver.drain()
+
     def open_stream(self, aid: str, sink: Callable[[int, Any], None] | None) -> Any:
         """On the engine's loop: follow request ``aid``'s streamed values (``sink(0, value)`` as
         each arrives) and its end; :meth:`settle` waits for it, :meth:`drop_stream` forgets it."""
@@ -477,6 +483,7 @@ class VllmEngine(Engine):
                 if token_sink is not None and out.outputs:
                     ids_now = out.outputs[0].token_ids
                     if len(ids_now) > sent:
+                        self.flush_streams()  # the values emitted before these tokens go first
                         token_sink(i, [int(x) for x in ids_now[sent:]])
                         sent = len(ids_now)
             return final

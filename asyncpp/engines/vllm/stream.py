@@ -140,6 +140,9 @@ class Receiver:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
+        self._now = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read without waiting
+        self._again = zmq.Again
+        self._noblock = zmq.NOBLOCK
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._read(), name="asyncpp-vllm-stream")
 
@@ -177,12 +180,26 @@ class Receiver:
     async def _read(self) -> None:
         sock = self._sock
         while True:
-            frames = await sock.recv_multipart(copy=True)
-            self.received += 1
+            self._handle(await sock.recv_multipart(copy=True))
+
+    def drain(self) -> None:
+        """Take every message already received, now (on the engine's loop): called before a
+        request's new tokens are passed on, so that the values its block emitted in a step (sent
+        before that step's token was sampled) come before the token, whichever of the reader task
+        and vLLM's output handler the loop runs first."""
+        while True:
             try:
-                self._take(*_parse(frames[0]), frames[1])
-            except Exception:  # pragma: no cover - a malformed message must not stop the reader
-                continue
+                frames = self._now.recv_multipart(self._noblock, copy=True)
+            except self._again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list) -> None:
+        self.received += 1
+        try:
+            self._take(*_parse(frames[0]), frames[1])
+        except Exception:  # pragma: no cover - a malformed message must not stop the reader
+            pass
 
     def _take(self, kind: str, stage: int, n: int, aid: str, payload: bytes) -> None:
         stream = self.streams.get(aid)
