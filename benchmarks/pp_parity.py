@@ -366,6 +366,16 @@ class Compared:
     worst: str
 
 
+def _diff_cell(c: Compared) -> str:
+    """A comparison's "max abs" cell: the logits' difference, the top-1 logit changes, the tokens."""
+    diff = f"{c.max_abs:.1e}"
+    if c.values_abs is not None:
+        diff += f"; top-1 logit changes {c.values_abs:.1e}"
+    if c.tokens_equal is not None:
+        diff += "; tokens " + ("equal" if c.tokens_equal else "**DIFFER**")
+    return diff
+
+
 def compare(ref: Out, got: Out) -> Compared:
     if ref.labels != got.labels:
         raise SystemExit(f"FAIL: the cells differ: {ref.labels} against {got.labels}")
@@ -581,11 +591,7 @@ def report_modes(configs: list[Config], done: dict[str, dict[str, Any]]) -> tupl
                     + (", tokens differ" if c.tokens_equal is False else "")
                     + f" (max TV {c.max_tv:.2e} at {c.worst})"
                 )
-            diff = f"{c.max_abs:.1e}"
-            if c.values_abs is not None:
-                diff += f"; top-1 logit changes {c.values_abs:.1e}"
-            if c.tokens_equal is not None:
-                diff += "; tokens " + ("equal" if c.tokens_equal else "**DIFFER**")
+            diff = _diff_cell(c)
             t_ref, t_got = median(ref.times), median(got.times)
             rows.append(
                 [
@@ -712,11 +718,7 @@ def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str,
                 fails.append(
                     f"{cfg.name} vs {cfg.ref}, {name}: top-1 {c.top1:.2f}, max TV {c.max_tv:.3e} at {c.worst}"
                 )
-            diff = f"{c.max_abs:.1e}"
-            if c.values_abs is not None:
-                diff += f"; top-1 logit changes {c.values_abs:.1e}"
-            if c.tokens_equal is not None:
-                diff += "; tokens " + ("equal" if c.tokens_equal else "**DIFFER**")
+            diff = _diff_cell(c)
             t_ref, t_got = median(ref.times), median(got.times)
             rows.append(
                 [
