@@ -664,6 +664,18 @@ int fast_serve(Controller* c, RunLink* s, PyObject* out, PyObject** result) {
   return 1;
 }
 
+// Count a completed call of ``c``'s module nobody waited on (counts[idx] += 1). -1 on an error.
+int count_call(Controller* c, RunLink* s) {
+  PyObject* counts = s->counts;
+  if (c->idx >= PyList_GET_SIZE(counts)) return 0;
+  PyObject* old = PyList_GET_ITEM(counts, c->idx);
+  PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
+  if (!next) return -1;
+  PyList_SET_ITEM(counts, c->idx, next);
+  Py_DECREF(old);
+  return 0;
+}
+
 PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* c = reinterpret_cast<Controller*>(o);
   RunLink* s = c->link;
@@ -694,16 +706,9 @@ PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargs
     Py_DECREF(out);
     return r;
   }
-  PyObject* counts = s->counts;
-  if (c->idx < PyList_GET_SIZE(counts)) {
-    PyObject* old = PyList_GET_ITEM(counts, c->idx);
-    PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
-    if (!next) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(counts, c->idx, next);
-    Py_DECREF(old);
+  if (count_call(c, s) < 0) {
+    Py_DECREF(out);
+    return nullptr;
   }
   return out;
 }
@@ -731,14 +736,7 @@ PyObject* controller_after(PyObject* o, PyObject* out) {
     Py_DECREF(out);
     return r;
   }
-  PyObject* counts = s->counts;
-  if (c->idx < PyList_GET_SIZE(counts)) {
-    PyObject* old = PyList_GET_ITEM(counts, c->idx);
-    PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
-    if (!next) return nullptr;
-    PyList_SET_ITEM(counts, c->idx, next);
-    Py_DECREF(old);
-  }
+  if (count_call(c, s) < 0) return nullptr;
   return Py_NewRef(out);
 }
 

@@ -333,18 +333,24 @@ class Interleaver:
             return v
         return None
 
+    def _refused(self, target: Read) -> Throw | None:
+        """The error for a wait this engine can never serve (the ``refuse`` hook), or None."""
+        refuse = self.hooks.refuse
+        if refuse is None:
+            return None
+        err = refuse(target.index, target.kind)
+        return None if err is None else Throw(err)
+
     def _on_read(self, block: Block, trap: Read, gather: GatherState | None = None, item: int = 0):
         step = block.step
         v = self._visit_of(trap, step)
         if v is not None:
             return read_value(self, block, v, trap)  # a location of the visit being served
         occ = trap.occ
-        hooks = self.hooks
-        if hooks.refuse is not None:
-            err = hooks.refuse(trap.index, trap.kind)
-            if err is not None:
-                return Throw(err)
-        intercept = hooks.intercept
+        refused = self._refused(trap)
+        if refused is not None:
+            return refused
+        intercept = self.hooks.intercept
         if intercept is not None:
             got = intercept(block, trap, step, occ)
             if got is not MISS:
@@ -369,12 +375,10 @@ class Interleaver:
             except Exception as err:
                 return Throw(err)
             return None
-        hooks = self.hooks
-        if hooks.refuse is not None:
-            err = hooks.refuse(target.index, target.kind)
-            if err is not None:
-                return Throw(err)
-        intercept = hooks.intercept
+        refused = self._refused(target)
+        if refused is not None:
+            return refused
+        intercept = self.hooks.intercept
         if intercept is not None:
             got = intercept(block, write, step, occ)
             if got is not MISS:
