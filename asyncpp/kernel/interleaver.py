@@ -333,32 +333,37 @@ class Interleaver:
             return v
         return None
 
-    def _refused(self, target: Read) -> Throw | None:
-        """The error for a wait this engine can never serve (the ``refuse`` hook), or None."""
-        refuse = self.hooks.refuse
-        if refuse is None:
-            return None
-        err = refuse(target.index, target.kind)
-        return None if err is None else Throw(err)
+    def _wait_for(
+        self,
+        block: Block,
+        trap: Any,
+        target: Read,
+        step: int,
+        gather: GatherState | None = None,
+        item: int = 0,
+    ):
+        """Park ``trap`` (a read, or a write) on ``target``'s location, unless the engine can never
+        serve it (``refuse``), serves it elsewhere (``intercept``) or the model has passed it."""
+        hooks, occ = self.hooks, target.occ
+        if hooks.refuse is not None:
+            err = hooks.refuse(target.index, target.kind)
+            if err is not None:
+                return Throw(err)
+        if hooks.intercept is not None:
+            got = hooks.intercept(block, trap, step, occ)
+            if got is not MISS:
+                return got
+        if self._passed(target.index, target.kind, step, occ):
+            return Throw(messages.order_error(self, target, step))
+        self.table.park(block, trap, target.key, target.index, step, occ, gather, item)
+        return PARKED
 
     def _on_read(self, block: Block, trap: Read, gather: GatherState | None = None, item: int = 0):
         step = block.step
         v = self._visit_of(trap, step)
         if v is not None:
             return read_value(self, block, v, trap)  # a location of the visit being served
-        occ = trap.occ
-        refused = self._refused(trap)
-        if refused is not None:
-            return refused
-        intercept = self.hooks.intercept
-        if intercept is not None:
-            got = intercept(block, trap, step, occ)
-            if got is not MISS:
-                return got
-        if self._passed(trap.index, trap.kind, step, occ):
-            return Throw(messages.order_error(self, trap, step))
-        self.table.park(block, trap, trap.key, trap.index, step, occ, gather, item)
-        return PARKED
+        return self._wait_for(block, trap, trap, step, gather, item)
 
     def _on_write(self, block: Block, write):
         try:
@@ -366,7 +371,6 @@ class Interleaver:
         except ValueError:
             pass
         target = write.target
-        occ = target.occ
         step = block.step
         v = self._visit_of(target, step)
         if v is not None:
@@ -375,18 +379,7 @@ class Interleaver:
             except Exception as err:
                 return Throw(err)
             return None
-        refused = self._refused(target)
-        if refused is not None:
-            return refused
-        intercept = self.hooks.intercept
-        if intercept is not None:
-            got = intercept(block, write, step, occ)
-            if got is not MISS:
-                return got
-        if self._passed(target.index, target.kind, step, occ):
-            return Throw(messages.order_error(self, target, step))
-        self.table.park(block, write, target.key, target.index, step, occ)
-        return PARKED
+        return self._wait_for(block, write, target, step)
 
     def _on_slot(self, block: Block, slot):
         if slot.is_set:

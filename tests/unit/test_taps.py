@@ -149,7 +149,7 @@ def compiled_run(choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool
         )
     model.inner.forward = torch.compile(model.inner.forward, backend="inductor", dynamic=True)
     controllers = Controllers([m if i not in plan.inside else None for i, m in enumerate(modules)])
-    hooks = RunHooks(refuse=plan.refuse, refuse_at=plan.inside - plan.sites)
+    hooks = RunHooks(refuse=plan.refuse, refuse_at=plan.refuse_at)
     kernel = Interleaver(paths, x.shape[0], step_index=0, hooks=hooks, link=controllers.link)
     controllers.install(kernel)
     taps.bind(kernel, controllers, plan.sites)

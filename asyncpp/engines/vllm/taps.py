@@ -73,11 +73,9 @@ def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None
         if site not in server.hot_out:  # the tap nobody waits on
             server.counts[site] += 1
             return
-    elif site not in server.hot_in:
-        return
-    if server.link is not None and server.link.bypass:
-        return
-    if stage != OUTPUT:
+    else:
+        if site not in server.hot_in or server.link.bypass:
+            return
         new = server.visit_input(site, values[0])
         if new is not values[0]:
             values[0].copy_(new)
@@ -232,6 +230,11 @@ class TapPlan:
             (in_sites if on_input else sites).update(found)
         self.sites = frozenset(sites)  # output taps
         self.in_sites = frozenset(in_sites)  # input taps (the module's first argument)
+
+    @property
+    def refuse_at(self) -> frozenset[int]:
+        """Modules at whose output a wait may be refused (``RunHooks.refuse_at``)."""
+        return self.inside - self.sites
 
     @property
     def tap_paths(self) -> list[str]:

@@ -163,7 +163,7 @@ class WorkerSession:
             # the sampler edits the logits in place (temperature): blocks keep what they were served
             copy_after=frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor"),
             refuse=None if self.plan is None else self.plan.refuse,
-            refuse_at=frozenset() if self.plan is None else self.plan.inside - self.plan.sites,
+            refuse_at=frozenset() if self.plan is None else self.plan.refuse_at,
         )
         if pipeline is not None:
             self.stage = StageSession(ownership, pipeline.stage, pipeline.service, self._num_of)
