@@ -20,6 +20,7 @@
 #include "asyncpp_native.h"
 
 #include <structmember.h>
+#include <algorithm>
 #include <descrobject.h>
 
 namespace {
@@ -58,20 +59,24 @@ struct RunLink {
 PyObject* location_type = nullptr;  // asyncpp's Location class, registered from Python
 PyObject* block_type = nullptr;     // the interleaver's Block class
 PyObject* wait_type = nullptr;      // the interleaver's Wait class
+PyObject* gate_type = nullptr;      // the kernel's StepGate trap (a step loop's next iteration)
 
 // Offsets of the __slots__ the fast path reads and writes (looked up once, at registration).
 struct {
   Py_ssize_t key, occ, keys;
 } loc_off;
 struct {
-  Py_ssize_t coro, state, rows, step, order, waiting, done;
+  Py_ssize_t coro, state, rows, step, order, waiting, done, ended, req_step;
 } blk_off;
 struct {
   Py_ssize_t order, block, trap, step, occ, gather, item;
 } wait_off;
 struct {
-  Py_ssize_t current, position, batch_size, budget;
+  Py_ssize_t current, position, batch_size, budget, gates;
 } ker_off;
+struct {
+  Py_ssize_t after, every;
+} gate_off;
 
 inline PyObject* slot_get(PyObject* o, Py_ssize_t off) {
   return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
@@ -228,9 +233,25 @@ PyObject* link_detach(PyObject* o, PyObject*) {
   Py_RETURN_NONE;
 }
 
+int resume_block(RunLink* s, PyObject* block, PyObject* value);
+
+// link.resume(block, value): resume a parked block with ``value`` as the kernel's _resume would,
+// parking its next plain output read natively (the kernel calls it only while ``fast`` holds).
+PyObject* link_resume(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  auto* s = reinterpret_cast<RunLink*>(o);
+  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "resume() takes a block and a value");
+  if (s->kernel == Py_None || !s->resume || Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(block_type)) {
+    return PyErr_Format(PyExc_RuntimeError, "resume(): no run attached, or not a block");
+  }
+  if (resume_block(s, args[0], args[1]) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef link_methods[] = {
     {"attach", link_attach, METH_O, "Attach a run, its fields given by name in a dict (Interleaver.link_fields())."},
     {"detach", link_detach, METH_NOARGS, "Detach the run."},
+    {"resume", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(link_resume)), METH_FASTCALL,
+     "Resume a parked block with a value, parking its next plain read natively."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef link_members[] = {
@@ -406,6 +427,37 @@ int try_park(RunLink* s, PyObject* block, PyObject* msg) {
   return 1;
 }
 
+// Park ``block`` on ``msg`` if it is the next iteration of a step loop over every step (a StepGate
+// with ``every``) that opens at a later step: what the kernel's _on_step does in that case.
+// 1: parked; 0: not handled (the Python kernel will handle it); never raises.
+int try_gate(RunLink* s, PyObject* block, PyObject* msg) {
+  if (Py_TYPE(msg) != reinterpret_cast<PyTypeObject*>(gate_type)) return 0;
+  if (slot_get(msg, gate_off.every) != Py_True || slot_get(block, blk_off.ended) != Py_False) return 0;
+  PyObject *after_obj = slot_get(msg, gate_off.after), *current_obj = slot_get(block, blk_off.req_step);
+  PyObject* gates = slot_get(s->kernel, ker_off.gates);
+  if (!after_obj || !current_obj || !gates || !PyList_CheckExact(gates)) return 0;
+  const long after = PyLong_AsLong(after_obj), current = PyLong_AsLong(current_obj);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  const long target = std::max(std::max(after, current), 0L);
+  if (target == current) return 0;  // that step is under way: the kernel enters it at once
+  PyObject* entry = Py_BuildValue("(OOl)", block, msg, target);
+  if (!entry) {
+    PyErr_Clear();
+    return 0;
+  }
+  const int ok = PyList_Append(gates, entry);
+  Py_DECREF(entry);
+  if (ok < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  slot_set(block, blk_off.waiting, msg);
+  return 1;
+}
+
 // Resume ``block`` with ``value`` (the read it waited for). 0 on success, -1 with an error set.
 int resume_block(RunLink* s, PyObject* block, PyObject* value) {
   PyObject* kernel = s->kernel;
@@ -440,7 +492,7 @@ int resume_block(RunLink* s, PyObject* block, PyObject* value) {
     PySendResult r = PyIter_Send(coro, value, &msg);
     PyObject* handoff = nullptr;  // a message the Python kernel must handle
     if (r == PYGEN_NEXT) {
-      if (!try_park(s, block, msg)) {
+      if (!try_park(s, block, msg) && !try_gate(s, block, msg)) {
         handoff = msg;
         msg = nullptr;
       }
@@ -867,33 +919,42 @@ Py_ssize_t member_offset(PyObject* type, const char* name) {
   return off;
 }
 
-// set_types(Location, Block, Wait, Interleaver): the classes the fast path recognises, and where
+// set_types(Location, Block, Wait, Interleaver, StepGate): the classes the fast path recognises, and where
 // the named fields it reads and writes live.
 PyObject* py_set_types(PyObject*, PyObject* args) {
-  PyObject *loc, *blk, *wt, *ker;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &wt, &PyType_Type,
-                        &ker)) {
+  PyObject *loc, *blk, *wt, *ker, *gate;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &wt, &PyType_Type,
+                        &ker, &PyType_Type, &gate)) {
     return nullptr;
   }
-  const char* ker_names[] = {"current", "position", "batch_size", "budget"};
+  const char* ker_names[] = {"current", "position", "batch_size", "budget", "gates"};
   const char* loc_names[] = {"key", "occ", "keys"};
-  const char* blk_names[] = {"coro", "state", "rows", "step", "order", "waiting", "done"};
+  const char* blk_names[] = {"coro", "state", "rows", "step", "order", "waiting", "done", "ended", "req_step"};
   const char* wait_names[] = {"order", "block", "trap", "step", "occ", "gather", "item"};
-  Py_ssize_t k[4], l[3], b[7], w[7];
-  for (int i = 0; i < 4; i++) {
+  const char* gate_names[] = {"after", "every"};
+  Py_ssize_t k[5], l[3], b[9], w[7], g[2];
+  for (int i = 0; i < 5; i++) {
     if ((k[i] = member_offset(ker, ker_names[i])) < 0) return nullptr;
   }
   for (int i = 0; i < 3; i++) {
     if ((l[i] = member_offset(loc, loc_names[i])) < 0) return nullptr;
   }
-  for (int i = 0; i < 7; i++) {
+  for (int i = 0; i < 9; i++) {
     if ((b[i] = member_offset(blk, blk_names[i])) < 0) return nullptr;
+  }
+  for (int i = 0; i < 7; i++) {
     if ((w[i] = member_offset(wt, wait_names[i])) < 0) return nullptr;
   }
-  ker_off = {k[0], k[1], k[2], k[3]};
+  for (int i = 0; i < 2; i++) {
+    if ((g[i] = member_offset(gate, gate_names[i])) < 0) return nullptr;
+  }
+  ker_off = {k[0], k[1], k[2], k[3], k[4]};
   loc_off = {l[0], l[1], l[2]};
-  blk_off = {b[0], b[1], b[2], b[3], b[4], b[5], b[6]};
+  blk_off = {b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8]};
   wait_off = {w[0], w[1], w[2], w[3], w[4], w[5], w[6]};
+  gate_off = {g[0], g[1]};
+  Py_INCREF(gate);
+  Py_XSETREF(gate_type, gate);
   Py_INCREF(loc);
   Py_XSETREF(location_type, loc);
   Py_INCREF(blk);
@@ -904,7 +965,7 @@ PyObject* py_set_types(PyObject*, PyObject* args) {
 }
 
 PyMethodDef more_functions[] = {
-    {"set_types", py_set_types, METH_VARARGS, "Register the Location, Block, Wait and Interleaver classes."},
+    {"set_types", py_set_types, METH_VARARGS, "Register the Location, Block, Wait, Interleaver and StepGate classes."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

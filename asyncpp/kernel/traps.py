@@ -76,11 +76,12 @@ class StepGate:
     """Wait until the model starts generation step ``>= after``; the step loop's ``__anext__``."""
 
     TRAP = STEP
-    __slots__ = ("steps", "after")
+    __slots__ = ("steps", "after", "every")
 
-    def __init__(self, steps, after: int):
+    def __init__(self, steps, after: int, every: bool = False):
         self.steps = steps  # the selection iterator that owns this gate
         self.after = after  # first step number this gate may open on
+        self.every = every  # the loop selects every step (the native fast path parks these)
 
     def __await__(self):
         return (yield self)

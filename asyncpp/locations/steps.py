@@ -54,7 +54,7 @@ class Steps:
         if self._done or self.first_at_or_after(self._after) is None:
             self._done = True
             raise StopAsyncIteration
-        step = await StepGate(self, self._after)
+        step = await StepGate(self, self._after, self._select is None)
         if step is END:
             self._done = True
             raise StopAsyncIteration

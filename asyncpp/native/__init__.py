@@ -88,9 +88,10 @@ def load() -> ModuleType:
             module = _build()
             from ..kernel.block import Block, Wait
             from ..kernel.interleaver import Interleaver
+            from ..kernel.traps import StepGate
             from ..locations.location import Location
 
-            module.set_types(Location, Block, Wait, Interleaver)
+            module.set_types(Location, Block, Wait, Interleaver, StepGate)
             from ..kernel import batching
 
             batching.use_native(module.narrow_rows)  # the fast path recognises plain reads by type

@@ -87,3 +87,45 @@ def test_sampled_sequences_per_prompt_are_the_invokes_rows(engine):
     assert a.result == 3 and b.result == 6
     assert a.tokens.shape == (3, 3) and b.tokens.shape == (6, 3)
     torch.testing.assert_close(torch.cat([a.tokens, b.tokens]), t.output[:, -3:])
+
+
+async def layer_values_per_step(m):
+    out = []
+    async for step in m.steps():
+        h = await m.model.layers[1].output
+        out.append((step, h.shape[0], float(h[:, -1].sum())))
+    return out
+
+
+def test_step_loops_park_natively_with_the_same_values(tiny, engine, monkeypatch):
+    """A step loop over every step that reads a layer: the native controllers resume it at each
+    step and park its next iteration themselves (the kernel's gate handler runs only for each
+    loop's first iteration); the Python twin runs it every step. Same values either way (CI runs
+    this module with both)."""
+    from asyncpp.kernel import interleaver
+    from asyncpp.kernel.traps import STEP
+    from asyncpp.native.controllers import python_controllers
+
+    model, tok = tiny
+    calls = []
+    handler = interleaver._HANDLERS[STEP]
+
+    def counting(kernel, block, gate):
+        calls.append(gate.after)
+        return handler(kernel, block, gate)
+
+    monkeypatch.setitem(interleaver._HANDLERS, STEP, counting)
+    with asyncpp.generate(engine, max_new_tokens=6) as t:
+        a = t.invoke(A, layer_values_per_step)
+        b = t.invoke(B, layer_values_per_step)
+    with asyncpp.generate(engine, max_new_tokens=6) as t:
+        alone = t.invoke(A, layer_values_per_step)
+    for h in (a, b, alone):
+        assert [s for s, _, _ in h.result] == list(range(6))
+        assert all(rows == 1 for _, rows, _ in h.result)
+    assert [round(v, 4) for _, _, v in a.result] == [round(v, 4) for _, _, v in alone.result]
+    assert a.tokens.tolist() == plain(model, tok, A, max_new_tokens=6).tolist()
+    if python_controllers():
+        assert len(calls) >= 3 * 6  # every iteration, and the loops' ends
+    else:
+        assert sorted(calls) == [0, 0, 0]  # each loop's first iteration only

@@ -13,7 +13,8 @@ for the request's outcome to be collected.
   what it holds: a value is first converted as a result is (remote values this stage does not own
   become ``NOT_HERE``), and the driver merges the stages' n-th values of a request with the same
   rules as results (:func:`asyncpp.pp.merge.merge`) once every stage has sent its n-th.
-* **Messages.** Two frames: a text header ``kind|stage|n|request id`` and a payload. ``v``: the
+* **Messages.** Pairs of frames (one pair, or the ends of a step's finished requests together): a
+  text header ``kind|stage|n|request id`` and a payload. ``v``: the
   n-th value of a request, pickled with cloudpickle (this channel is internal to the engine's own
   processes). ``e``: the request is over on that stage, after n values; its payload is the
   stage's packed outcome of the request's block (``packing.pack_outcome``). A worker sends ``e``
@@ -32,7 +33,7 @@ import pickle
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -63,6 +64,7 @@ class Sender:
         self._sock: Any = None
         self._ctx: Any = None
         self.sent = 0  # messages sent (stats)
+        self._held: list | None = None  # ends kept to go as one message (see hold)
 
     def connect(self, address: str, stage: int, sends: bool) -> None:
         self.stage = stage
@@ -92,9 +94,30 @@ class Sender:
 
     def end(self, aid: str, count: int, outcome: bytes) -> None:
         """The request is over here after ``count`` values; ``outcome`` is its packed outcome."""
-        if self._sock is not None:
-            self._sock.send_multipart([_header(END, self.stage, count, aid), outcome], copy=False)
-            self.sent += 1
+        if self._sock is None:
+            return
+        frames = [_header(END, self.stage, count, aid), outcome]
+        if self._held is not None:
+            self._held += frames
+            return
+        self._sock.send_multipart(frames, copy=False)
+        self.sent += 1
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Send the ends given inside as one message, at the end (a step's finished requests:
+        one wake-up of the socket's thread instead of one per request)."""
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            frames, self._held = self._held, None
+            if frames and self._sock is not None:
+                self._sock.send_multipart(frames, copy=False)
+                self.sent += 1
 
 
 # --- the driver's side -----------------------------------------------------------------------------
@@ -196,10 +219,11 @@ class Receiver:
 
     def _handle(self, frames: list) -> None:
         self.received += 1
-        try:
-            self._take(*_parse(frames[0]), frames[1])
-        except Exception:  # pragma: no cover - a malformed message must not stop the reader
-            pass
+        for i in range(0, len(frames) - 1, 2):  # (header, payload) pairs: one or several
+            try:
+                self._take(*_parse(frames[i]), frames[i + 1])
+            except Exception:  # pragma: no cover - a malformed message must not stop the reader
+                pass
 
     def _take(self, kind: str, stage: int, n: int, aid: str, payload: bytes) -> None:
         stream = self.streams.get(aid)

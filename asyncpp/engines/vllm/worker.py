@@ -261,10 +261,11 @@ class WorkerSession:
                     f"Keep chunked prefill off, long_prefill_token_threshold at 0 and "
                     f"max_num_batched_tokens at least as long as the longest prompt"
                 )
-        for rid in sorted(so.finished_req_ids):  # a set: the same order on every rank
-            req = self.requests.get(rid)
-            if req is not None:
-                self._finish(rid)
+        finished = [rid for rid in so.finished_req_ids if rid in self.requests]
+        if finished:
+            with self.sender.hold():
+                for rid in sorted(finished):  # a set: the same order on every rank
+                    self._finish(rid)
         if self.stage is not None:
             self.stage.serve()  # a serve point: the previous round has been sent on
 
@@ -272,21 +273,25 @@ class WorkerSession:
         """At the start of each forward: every request's rows, and its block started if new."""
         runner = self.runner
         batch = runner.input_batch
-        starts = runner.query_start_loc.np
         n = batch.num_reqs
-        kernel = self.kernel
-        kernel.set_batch(int(starts[n]), n)
-        active = []
+        starts = runner.query_start_loc.np[: n + 1].tolist()  # (Python ints: numpy's cost per item)
+        self.kernel.set_batch(starts[n], n)
+        requests = self.requests
+        active: list[Block] = []
+        if not requests:  # plain requests only: nothing to place
+            return active
         for i, rid in enumerate(batch.req_ids[:n]):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None or req.error is not None:
                 continue
-            rows = (int(starts[i]), int(starts[i + 1]))
+            rows = (starts[i], starts[i + 1])
             block = req.block
             if block is None:
                 block = self._start(req, rows, (i, i + 1))
                 if block is None:
                     continue
+            elif block.done:  # (it returned: nothing of it runs again)
+                continue
             else:
                 block.rows, block.req_rows = rows, (i, i + 1)
             active.append(block)
