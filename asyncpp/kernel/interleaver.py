@@ -601,7 +601,8 @@ class Interleaver:
             n = len(self.counts)
             self.counts[:] = [0] * n  # in place: the controllers hold this list
             self.seen_in = [-1] * n
-            self._expire(lambda w: w.step < self.step)
+            if self.table.waits:
+                self._expire(lambda w: w.step < self.step)
         self.steps_begun += 1
         self.position = ("step", self.step)
         on_step = self.hooks.on_step
