@@ -366,6 +366,20 @@ class Compared:
     worst: str
 
 
+def _pair_cells(workload: str, label: str, c: Any) -> list[str]:
+    """The first cells of a comparison row: the workload, the pair, the cell count, top-1."""
+    return [f"{workload} ({CELLS[workload]})", label, str(c.cells), f"{c.top1:.2f}"]
+
+
+def _time_cell(ref: Any, got: Any) -> str:
+    """Wall time of ``got`` over ``ref``: medians, then the fastest runs."""
+    t_ref, t_got = median(ref.times), median(got.times)
+    return (
+        f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f} ms); "
+        f"fastest runs {min(got.times) / min(ref.times):.2f}x"
+    )
+
+
 def _diff_cell(c: Compared) -> str:
     """A comparison's "max abs" cell: the logits' difference, the top-1 logit changes, the tokens."""
     diff = f"{c.max_abs:.1e}"
@@ -575,8 +589,6 @@ def report_modes(configs: list[Config], done: dict[str, dict[str, Any]]) -> tupl
         if c.twin is not None and "error" not in done[c.name] and "error" not in done[c.twin]
     ]
     for twin, cfg in pairs:
-        if twin is None:
-            continue
         for name in WORKLOADS:
             ref, got = done[twin]["res"][name], done[cfg.name]["res"][name]
             c = compare(ref.out, got.out)
@@ -591,19 +603,13 @@ def report_modes(configs: list[Config], done: dict[str, dict[str, Any]]) -> tupl
                     + (", tokens differ" if c.tokens_equal is False else "")
                     + f" (max TV {c.max_tv:.2e} at {c.worst})"
                 )
-            diff = _diff_cell(c)
-            t_ref, t_got = median(ref.times), median(got.times)
             rows.append(
                 [
-                    f"{name} ({CELLS[name]})",
-                    f"{cfg.name} vs {twin}",
-                    str(c.cells),
-                    f"{c.top1:.2f}",
+                    *_pair_cells(name, f"{cfg.name} vs {twin}", c),
                     f"{c.max_tv:.2e}",
-                    diff,
+                    _diff_cell(c),
                     "-" if hidden is None else f"{hidden:.1e}",
-                    f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f} ms); "
-                    f"fastest runs {min(got.times) / min(ref.times):.2f}x",
+                    _time_cell(ref, got),
                     f"top-1 1.00, max abs <= {MAX_ABS_TARGET:g}",
                     "pass" if ok else "**FAIL**",
                 ]
@@ -718,20 +724,14 @@ def report(configs: list[Config], done: dict[str, dict[str, Any]]) -> tuple[str,
                 fails.append(
                     f"{cfg.name} vs {cfg.ref}, {name}: top-1 {c.top1:.2f}, max TV {c.max_tv:.3e} at {c.worst}"
                 )
-            diff = _diff_cell(c)
-            t_ref, t_got = median(ref.times), median(got.times)
             rows.append(
                 [
-                    f"{name} ({CELLS[name]})",
-                    f"{cfg.name} vs {cfg.ref}",
-                    str(c.cells),
-                    f"{c.top1:.2f}",
+                    *_pair_cells(name, f"{cfg.name} vs {cfg.ref}", c),
                     f"{c.max_tv:.3f}",
                     f"{c.max_tv:.2e}",
-                    diff,
+                    _diff_cell(c),
                     pulled_text(got, cfg.options.get("pipeline_parallel_size", 1) > 1),
-                    f"{t_got / t_ref:.2f}x ({t_got * 1000:.0f} / {t_ref * 1000:.0f} ms); "
-                    f"fastest runs {min(got.times) / min(ref.times):.2f}x",
+                    _time_cell(ref, got),
                     "top-1 1.00, TV 0.000",
                     "pass" if ok else "**FAIL**",
                 ]

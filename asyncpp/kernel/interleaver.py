@@ -618,15 +618,15 @@ class Interleaver:
                 self.gates.append(entry)
         due.sort(key=lambda e: e[0].order)
         link = self.link
-        resume = link.resume if link is not None and link.fast and self.current is None else self._resume_with
+        native = link is not None and link.fast and self.current is None  # (as the fast path would)
         for block, _, target in due:
             if not block.done:
                 block.step = self.step
-                resume(block, target)
+                if native:
+                    link.resume(block, target)
+                else:
+                    self._resume(block, target, None)
         self.serve()
-
-    def _resume_with(self, block: Block, value: Any) -> None:
-        self._resume(block, value, None)
 
     def _expire(self, is_stale: Callable[[Wait], bool]) -> None:
         """Throw a never-reached error into each block parked on a stale wait."""

@@ -34,8 +34,9 @@ the fast path is serving; a block's write there replaces ``visit_out``). Besides
 reads and writes named fields of the kernel's classes (offsets looked up once by ``set_types``):
 ``Location.key/occ/keys``, ``Block.coro/state/rows/step/order/waiting/done/ended/req_step``, every
 field of ``Wait``, ``StepGate.after/every`` and ``Interleaver.current/position/batch_size/budget/gates``.
-The link's one method besides attach/detach: ``resume(block, value)`` (the kernel's ``_resume`` for
-one block, parking its next plain read or step-loop iteration natively; the twin's calls ``_resume``).
+The native link's one method besides attach/detach: ``resume(block, value)`` (the kernel's
+``_resume`` for one block, parking its next plain read or step-loop iteration natively; the kernel
+calls it only while ``fast`` holds, which the twin never sets).
 """
 
 from __future__ import annotations
@@ -85,10 +86,6 @@ class PyRunLink:
     def detach(self) -> None:
         self.kernel = self.visit = self.visit_output = None
         self.bypass = False
-
-    def resume(self, block: Any, value: Any) -> None:
-        """Resume a parked block with ``value`` (the native link parks its next plain read itself)."""
-        self.kernel._resume(block, value, None)
 
 
 def py_controller(link: PyRunLink, index: int, forward: Callable, replaced: Any, owner: dict) -> Callable:
