@@ -8,8 +8,11 @@ from torch import nn
 
 import asyncpp
 
-# the two modes of VllmEngine: the vLLM tests run each engine they share in both
+# the strict modes of VllmEngine: the vLLM tests run each engine they share in both
 MODES = ("eager", "compiled")
+# and the default, auto (compiled, a request whose block needs a location that is no tap eagerly):
+# the main engine tests run on it too, where their blocks mix compiled and eager steps
+ALL_MODES = (*MODES, "auto")
 # the compiled engines' taps beyond the default set (each decoder layer): what the tests await
 TEST_TAPS = (
     "model.layers.*.mlp",

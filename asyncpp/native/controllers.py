@@ -44,7 +44,7 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -156,8 +156,12 @@ class Controllers:
             self.link = native.RunLink()
             make, self._install, self._remove = native.Controller, native.install, native.remove
         self.native = not isinstance(self.link, PyRunLink)
-        self._controllers: list = []
-        for index, module in enumerate(modules):
+        self._make = make
+        self._controllers: list = self._made(enumerate(modules))
+
+    def _made(self, modules: Iterable[tuple[int, nn.Module | None]]) -> list:
+        made = []
+        for index, module in modules:
             if module is None:  # a module this process does not hold (another pipeline stage's)
                 continue
             own = module.__dict__.get("forward")  # an instance-level forward someone else set
@@ -169,7 +173,16 @@ class Controllers:
                 forward = _weak_forward(module)
             else:
                 forward = type(module).forward.__get__(module)
-            self._controllers.append(make(self.link, index, forward, own, module.__dict__))
+            made.append(self._make(self.link, index, forward, own, module.__dict__))
+        return made
+
+    def extend(self, modules: Iterable[tuple[int, nn.Module]]) -> None:
+        """Control more modules (``(index, module)`` pairs) from now on, installed at once: for
+        modules that may not be shadowed until later (a compiled engine's, once vLLM has traced
+        them)."""
+        more = self._made(modules)
+        self._install(more)
+        self._controllers.extend(more)
 
     def output_server(self, index: int) -> Callable[[Any], Any]:
         """``serve(out) -> out``: what module ``index``'s controller does once a call of the module

@@ -90,7 +90,7 @@ def test_a_tap_pattern_that_names_nothing_fails_the_start():
 
 
 def test_modes_and_options_are_checked():
-    with pytest.raises(ValueError, match="mode must be 'eager' or 'compiled'"):
+    with pytest.raises(ValueError, match="mode must be 'auto', 'compiled' or 'eager'"):
         asyncpp.VllmEngine(mode="fast")
     with pytest.raises(ValueError, match="taps=... is for compiled engines"):
         asyncpp.VllmEngine(mode="eager", taps=["model.layers.*.mlp"])

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import MODES, mode_options, steer_hook
+from helpers import ALL_MODES, mode_options, steer_hook
 
 import asyncpp
 
@@ -20,9 +20,9 @@ pytest.importorskip("vllm")
 ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=ALL_MODES)
 def vllm_engine(request):
-    """One engine per mode: every test here runs on an eager and on a compiled engine."""
+    """One engine per mode: every test here runs on an eager, a compiled and an auto engine."""
     engine = asyncpp.VllmEngine(dtype="float32", **mode_options(request.param))
     yield engine
     engine.close()

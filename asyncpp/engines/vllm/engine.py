@@ -26,16 +26,17 @@ import torch
 
 from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError, EngineDeadError
+from ...locations.footprint import block_footprint
 from ...locations.tree import tree_from_paths
 from ...pp.merge import NOT_HERE, merge
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import await_future
 from ..inputs import InputError, token_rows
 from . import console
-from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_block, unpack_outcome
 from .stream import Receiver
-from .taps import TAPS_VERSION, check_patterns
+from .taps import TAPS_VERSION, TapPlan, check_patterns
 from .watch import Proc, Watch
 
 WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"
@@ -55,13 +56,17 @@ class VllmEngine(Engine):
         budget; not with ``tensor_parallel_size > 1``). Each resume of a block is timed (about
         a microsecond). Under pipeline parallelism each stage times its own part of a
         block: a block stopped on one stage fails there, and the others' pulls from it fail too.
-    :param mode: ``"eager"``: vLLM runs the model module by module and every location can be
-        awaited; ``"compiled"``: vLLM's compiled model (on CPU dynamo and inductor, as a stock
+    :param mode: ``"auto"`` (the default): vLLM's compiled model, and a request whose block's
+        code names a location that is no tap runs its steps eagerly (with every request in those
+        steps); ``"compiled"``: vLLM's compiled model only (on CPU dynamo and inductor, as a stock
         engine), where blocks are served at *taps* compiled into the graph (see ``taps``) and at
-        the modules outside it (the top-level model, ``logits``, ``samples``). Default: eager.
+        the modules outside it (the top-level model, ``logits``, ``samples``), and awaiting any
+        other location inside raises :class:`~asyncpp.TapError`; ``"eager"``: vLLM runs the
+        model module by module and every location can be awaited.
     :param taps: module path patterns (``*`` within one name, ``**`` across names) of further
-        taps on a compiled engine, besides the default set: every direct child of the compiled
-        model (the embeddings, each decoder layer, the final norm). Taps serve outputs.
+        taps on a compiled or auto engine, besides the default set: every direct child of the
+        compiled model (the embeddings, each decoder layer, the final norm). Taps serve outputs,
+        or a module's first argument for a pattern ending in ``.input``.
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: prefix caching and chunked prefill off.
     """
@@ -96,9 +101,10 @@ class VllmEngine(Engine):
         self.block_budget = block_budget
         self.mode = _mode(mode, vllm_options.pop("enforce_eager", None))
         patterns = check_patterns(taps)
-        if patterns and self.mode != "compiled":
+        if patterns and self.mode == "eager":
             raise ValueError(
-                "taps=... is for compiled engines (mode='compiled'): eager engines serve every location"
+                "taps=... is for compiled engines (mode='compiled' or 'auto'): eager engines serve "
+                "every location"
             )
         options = {
             "model": str(model),
@@ -118,7 +124,7 @@ class VllmEngine(Engine):
         options.update(vllm_options)
         extra = dict(options.get("additional_config") or {})
         # the tap patterns; each worker resolves them and keys vLLM's compile cache by the result
-        extra[EXTRA_KEY] = {"taps": patterns, "taps_version": TAPS_VERSION}
+        extra[EXTRA_KEY] = {"taps": patterns, "taps_version": TAPS_VERSION, "auto": self.mode == "auto"}
         options["additional_config"] = extra
         if options["worker_cls"] != WORKER:
             raise ValueError("VllmEngine needs asyncpp's worker class; leave worker_cls unset")
@@ -148,6 +154,11 @@ class VllmEngine(Engine):
         info = self._taps_info
         #: the tap set of a compiled engine (module paths), empty on an eager one
         self.taps: list[str] = list(info["taps"])
+        #: which requests an auto engine runs eagerly (None elsewhere): see :meth:`runs_eagerly`
+        self._plan = None
+        if self.mode == "auto" and info["compiled"]:
+            paths = [p for p, _ in entries]
+            self._plan = TapPlan(paths, [t for _, t in entries], info["roots"], patterns)
         #: seconds vLLM spent compiling the model at start (0 when eager, small from its cache)
         self.compile_seconds = float(info["compile_seconds"])
         #: whether the compiled model came from the compile cache (inductor's) instead of compiling
@@ -158,8 +169,17 @@ class VllmEngine(Engine):
         atexit.register(self.close)  # vLLM's own teardown at interpreter exit is noisy
         #: seconds the engine took to start (vLLM's processes, weights, compilation)
         self.start_seconds = progress.done(
-            f"compiled in {self.compile_seconds:.1f} s, ready in" if self.mode == "compiled" else "ready in"
+            f"compiled in {self.compile_seconds:.1f} s, ready in" if self.mode != "eager" else "ready in"
         )
+
+    def runs_eagerly(self, block: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
+        """Whether this engine runs a request with this block eagerly: on an auto engine, when
+        the block's code names a location inside the compiled model that is no tap (or its code
+        cannot be read that far); on an eager engine always, on a compiled one never."""
+        if self.mode != "auto":
+            return self.mode == "eager"
+        plan = self._plan
+        return plan is not None and plan.needs_eager(block_footprint(block, args, kwargs))
 
     # --- the engine's own loop ------------------------------------------------------------------
 
@@ -451,6 +471,7 @@ class VllmEngine(Engine):
                     EXTRA_KEY: pack_block(inv.block, inv.args, inv.kwargs),
                     ID_KEY: rid,
                     NUM_KEY: num,
+                    **({EAGER_KEY: True} if self.runs_eagerly(inv.block, inv.args, inv.kwargs) else {}),
                 },
             )
             for inv, rid, num in zip(invokes, ids, nums)
@@ -559,14 +580,17 @@ class VllmEngine(Engine):
         return (None if merged is NOT_HERE else merged), None
 
 
+MODES = ("auto", "compiled", "eager")
+
+
 def _mode(mode: str | None, enforce_eager: Any) -> str:
     """The engine's mode, from ``mode`` or vLLM's own ``enforce_eager`` (not both)."""
     if mode is not None and enforce_eager is not None:
-        raise ValueError("pass mode='eager' or mode='compiled', not enforce_eager as well")
+        raise ValueError("pass mode='auto', 'compiled' or 'eager', not enforce_eager as well")
     if mode is None:
-        return "eager" if enforce_eager is None or enforce_eager else "compiled"
-    if mode not in ("eager", "compiled"):
-        raise ValueError(f"mode must be 'eager' or 'compiled', not {mode!r}")
+        return "eager" if enforce_eager else "auto"
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'auto', 'compiled' or 'eager', not {mode!r}")
     return mode
 
 

@@ -4,3 +4,4 @@ EXTRA_KEY = "asyncpp"  # SamplingParams.extra_args: the packed block
 ID_KEY = "asyncpp_id"  # SamplingParams.extra_args: the caller's id for the request
 NUM_KEY = "asyncpp_num"  # SamplingParams.extra_args: the request's number (cross-stage pulls)
 ALIASES = {"logits": "logits_processor", "samples": "sampler"}
+EAGER_KEY = "asyncpp_eager"  # SamplingParams.extra_args: run the request's steps eagerly (auto mode)

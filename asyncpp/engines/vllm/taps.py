@@ -26,12 +26,14 @@ from torch import Tensor
 
 from ...kernel.errors import TapError
 from ...kernel.traps import INPUT, KIND_NAMES, OUTPUT
+from ...locations.footprint import Footprint
 
 TAPS_VERSION = 2  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
 
 _LIB = torch.library.Library("asyncpp", "DEF")
 _LIB.define("tap(Tensor(a!)[] values, int site, int[] layout, int stage) -> ()")
 
+KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
 BARE = -1  # layout of an output that is one tensor; else one entry per tuple item: 1 tensor, 0 None
 
 
@@ -197,12 +199,21 @@ class TapPlan:
     served) and which of those are taps. The same on every rank (made from the full tree)."""
 
     def __init__(
-        self, paths: Sequence[str], types: Sequence[str], roots: Sequence[str], patterns: Sequence[str]
+        self,
+        paths: Sequence[str],
+        types: Sequence[str],
+        roots: Sequence[str],
+        patterns: Sequence[str],
+        auto: bool = False,
     ):
         self.paths = list(paths)
+        #: an auto engine runs a step eagerly when a request in it needs a location that is no tap
+        self.auto = auto
+        #: whether this step runs eagerly (controllers serve every location; the taps stand aside)
+        self.eager_now = False
         self.roots = list(roots)
         self.patterns = list(patterns)
-        index = {p: i for i, p in enumerate(self.paths)}
+        self._index = index = {p: i for i, p in enumerate(self.paths)}
         inside = set()
         for i, p in enumerate(self.paths):
             if any(_under(p, r) for r in self.roots):
@@ -258,9 +269,24 @@ class TapPlan:
         """The taps in a few words (layer numbers folded)."""
         return summarize(self.tap_paths)
 
-    def refuse(self, index: int, kind: int) -> TapError | None:
-        """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it."""
-        if index not in self.inside:
+    def needs_eager(self, footprint: Footprint | None) -> bool:
+        """Whether a block with this footprint (None: not known) may wait where a compiled step
+        cannot serve it."""
+        if footprint is None:
+            return True
+        for path, kinds in footprint.modules(self.paths).items():
+            index = self._index.get(path)
+            if index is None or index not in self.inside:
+                continue
+            for kind in kinds:
+                if kind is not None and self.refuse(index, KIND_CODES[kind], always=True) is not None:
+                    return True
+        return False
+
+    def refuse(self, index: int, kind: int, always: bool = False) -> TapError | None:
+        """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it
+        (in this step, unless ``always``)."""
+        if index not in self.inside or (self.eager_now and not always):
             return None
         if (kind == OUTPUT and index in self.sites) or (kind == INPUT and index in self.in_sites):
             return None
@@ -279,6 +305,13 @@ class TapPlan:
             hint = f"add the tap with VllmEngine(..., taps=[{path + '.input'!r}]),"
         else:
             hint = f"add the tap with VllmEngine(..., taps=[{path!r}]),"
+        if self.auto:
+            return TapError(
+                f"{what} is not a tap of this VllmEngine (mode='auto'), and this step runs vLLM's "
+                f"compiled model: the block reached it in a way its code does not show at invoke "
+                f"(mode='auto' runs a request eagerly when its block's code names a location that "
+                f"is no tap; this engine's taps: {self.describe()}). To serve it, {hint} {eager}"
+            )
         return TapError(
             f"{what} is not a tap of this VllmEngine, which runs vLLM's compiled model: inside it "
             f"only taps can be awaited (this engine's: {self.describe()}). To serve it, {hint} "

@@ -20,10 +20,12 @@ tensor-parallel rank 0 of each stage (see ``stream.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -41,7 +43,7 @@ from ...pp.pulls import PullService
 from ...pp.stage import StageSession
 from . import taps
 from .full_model import GraftCost, graft_full_model
-from .keys import ALIASES, EXTRA_KEY, ID_KEY, NUM_KEY
+from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_outcome, unpack_block
 from .stream import Sender
 from .tensor_parallel import find_shardings
@@ -71,8 +73,12 @@ class AsyncppWorker(CPUWorker):
             self.asyncpp.compile_cached = hits > 0 and misses == 0
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        self.asyncpp.before_step(scheduler_output)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        session = self.asyncpp
+        session.before_step(scheduler_output)
+        if not session.eager_requests or not session.eager_step(scheduler_output):
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        with session.running_eagerly():
+            return super().execute_model(scheduler_output, *args, **kwargs)
 
     # --- called by the driver through collective_rpc (between engine steps) ---------------------
 
@@ -105,11 +111,12 @@ class AsyncppWorker(CPUWorker):
 
 
 class _Request:
-    __slots__ = ("aid", "num", "payload", "block", "outcome", "error", "emitted")
+    __slots__ = ("aid", "num", "payload", "block", "outcome", "error", "emitted", "eager")
 
-    def __init__(self, aid: str, payload: bytes, num: int = 0):
+    def __init__(self, aid: str, payload: bytes, num: int = 0, eager: bool = False):
         self.aid = aid
         self.num = num
+        self.eager = eager  # (auto mode) the steps it is in run eagerly
         self.payload = payload
         self.emitted = 0  # values its block has streamed (asyncpp.emit)
         self.block: Block | None = None
@@ -139,6 +146,10 @@ class WorkerSession:
             self.local_tree, self.graft_cost = pipeline.local, pipeline.cost
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
         self.plan = self._tap_plan(model)
+        self.eager_requests = 0  # live requests that run their steps eagerly (auto mode)
+        self.eager_steps = 0  # steps this worker ran eagerly on a compiled engine
+        self._eager_ready = False  # the compiled model's modules have their controllers
+        self._modules = modules
         controlled = modules
         if self.plan is not None:  # compiled: inside the graph, taps instead of controllers
             inside = self.plan.inside
@@ -185,6 +196,8 @@ class WorkerSession:
         kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
+        if self.plan is not None and self.plan.auto:
+            model.register_forward_pre_hook(self._skip_compiled)
 
     def _tap_plan(self, model: Any) -> taps.TapPlan | None:
         """On a compiled engine: which modules run inside vLLM's graph, and the taps among them
@@ -199,7 +212,7 @@ class WorkerSession:
             return None
         ours = (getattr(config, "additional_config", None) or {}).get(EXTRA_KEY) or {}
         types = [self.tree.find(p).module_type for p in self.paths]
-        plan = taps.TapPlan(self.paths, types, roots, ours.get("taps") or ())
+        plan = taps.TapPlan(self.paths, types, roots, ours.get("taps") or (), auto=bool(ours.get("auto")))
         # vLLM's compile-cache key: the taps themselves, not the patterns that chose them (so that
         # a pattern naming nothing fails fast, from the cache, and equal tap sets share an entry)
         config.additional_config[EXTRA_KEY] = {"taps": plan.tap_paths, "taps_version": taps.TAPS_VERSION}
@@ -234,6 +247,43 @@ class WorkerSession:
             if module is not None:
                 module.register_forward_pre_hook(serve_point)
 
+    # --- eager steps on an auto engine -----------------------------------------------------------
+
+    def eager_step(self, so: Any) -> bool:
+        """Whether a request of this step runs eagerly (every rank decides alike: from the
+        scheduler's output)."""
+        requests = self.requests
+        for rid in so.num_scheduled_tokens:
+            req = requests.get(rid)
+            if req is not None and req.eager and (req.block is None or not req.block.done):
+                return True  # (a block that has returned waits on nothing again)
+        return False
+
+    @contextlib.contextmanager
+    def running_eagerly(self) -> Iterator[None]:
+        """This step's forward runs the model's Python code (vLLM's ``skip_compiled``), served by
+        controllers on every module, as on an eager engine; the taps stand aside."""
+        plan = self.plan
+        if not self._eager_ready:
+            # shadowed only now: vLLM traced these modules' forwards when it compiled the model
+            inside = [(i, m) for i, m in enumerate(self._modules) if i in plan.inside and m is not None]
+            self.controllers.extend(inside)
+            self._eager_ready = True
+        plan.eager_now = True
+        taps.unbind()
+        self.eager_steps += 1
+        try:
+            yield
+        finally:
+            plan.eager_now = False
+            taps.bind(self.kernel, self.controllers, plan.sites)
+
+    def _skip_compiled(self, *_: Any) -> None:
+        if self.plan.eager_now:
+            from vllm.forward_context import get_forward_context
+
+            get_forward_context().skip_compiled = True
+
     def tree_entries(self, local: bool = False) -> list[list[str]]:
         if local and self.local_tree is not None:
             return [[p, t] for p, t in self.local_tree]
@@ -250,7 +300,9 @@ class WorkerSession:
             if payload is None:
                 continue
             aid = str(extra.get(ID_KEY, new.req_id))
-            self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)))
+            eager = self.plan is not None and bool(extra.get(EAGER_KEY))
+            self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)), eager)
+            self.eager_requests += eager
             self.by_aid[aid] = new.req_id
             prompt = len(new.prompt_token_ids or ())
             scheduled = so.num_scheduled_tokens.get(new.req_id, 0)
@@ -372,6 +424,7 @@ class WorkerSession:
 
     def _finish_block(self, rid: str) -> bytes:
         req = self.requests.pop(rid)
+        self.eager_requests -= req.eager
         self.by_aid.pop(req.aid, None)
         block = req.block
         if block is None:
@@ -426,6 +479,8 @@ class WorkerSession:
             "requests": len(self.requests),
             **self.kernel.stats(),
             "emitting": len(self.of_block),
+            "eager_requests": self.eager_requests,
+            "eager_steps": self.eager_steps,
             "pid": os.getpid(),
             **self._stage_stats(),
         }
