@@ -523,7 +523,10 @@ def test_the_default_engine_prints_one_progress_line(tmp_path):
     with torch.no_grad():
         ref = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=256)[0, x.shape[1] :]
     assert [first] == ref[:1].tolist() and generated == ref.tolist()
-    progress = r"asyncpp: starting vLLM engine on the embedded tiny Llama \(TP=1, PP=1, eager\)\.\.\. ready in \d+\.\d s"
+    progress = (
+        r"asyncpp: starting vLLM engine on the embedded tiny Llama \(TP=1, PP=1, auto\)\.\.\. "
+        r"compiled in \d+\.\d s, ready in \d+\.\d s"
+    )
     assert re.fullmatch(progress, done.stderr.strip()), done.stderr
 
 

@@ -192,9 +192,8 @@ class Progress:
             sys.stderr.flush()
 
 
-def describe(options: dict[str, Any], default_model: bool) -> str:
+def describe(options: dict[str, Any], default_model: bool, mode: str) -> str:
     model = "the embedded tiny Llama" if default_model else str(options["model"])
     tp = int(options.get("tensor_parallel_size", 1) or 1)
     pp = int(options.get("pipeline_parallel_size", 1) or 1)
-    mode = "eager" if options.get("enforce_eager", True) else "compiled"
     return f"vLLM engine on {model} (TP={tp}, PP={pp}, {mode})"

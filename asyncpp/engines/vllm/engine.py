@@ -137,7 +137,7 @@ class VllmEngine(Engine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncpp-vllm", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
-        progress = console.Progress(console.describe(options, default_model), own_line=self.vllm_logs)
+        progress = console.Progress(console.describe(options, default_model, self.mode), own_line=self.vllm_logs)
         quiet = None if self.vllm_logs else console.StderrFilter()
         try:
             with (
