@@ -2,8 +2,8 @@
 the point is the mechanics). This is what ``make demo`` runs.
 
     .venv/bin/python examples/demo.py                  # the local engine (default)
-    .venv/bin/python examples/demo.py --engine vllm    # the same tour on a vLLM engine
-    .venv/bin/python examples/demo.py --engine vllm --mode compiled   # on vLLM's compiled model
+    .venv/bin/python examples/demo.py --engine vllm    # the same tour on a vLLM engine (auto mode)
+    .venv/bin/python examples/demo.py --engine vllm --mode eager   # vLLM module by module
 
 The blocks are written once for both engines. Two things differ on vLLM (see docs/vllm.md): a
 decoder layer returns ``(mlp_out, residual)`` over the request's token rows ``[tokens, hidden]``
@@ -195,9 +195,9 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--mode",
-        choices=["eager", "compiled"],
+        choices=["auto", "compiled", "eager"],
         default=None,
-        help="the vLLM engine's mode (default: VllmEngine's; compiled: blocks at taps, see docs/vllm.md)",
+        help="the vLLM engine's mode (default: VllmEngine's, auto; see docs/vllm.md#modes)",
     )
     args = parser.parse_args()
     asyncio.run(main(args.engine, args.mode))

@@ -32,7 +32,10 @@ _HARMLESS = frozenset(
     {"len", "print", "repr", "str", "isinstance", "type", "id", "hasattr", "bool", "format"}
 )
 # builtins whose result iterates (or indexes) as the node's children do
-_SAME_CHILDREN = frozenset({"list", "tuple", "reversed", "iter", "sorted"})
+_SAME_CHILDREN = frozenset({"list", "tuple", "iter"})
+# and those whose result holds the children in another order (indexing it may give any of them)
+_REORDERED = frozenset({"reversed", "sorted"})
+_SEQ = "<seq>"  # a pattern's last part for some of its children in some order (a slice)
 _MAX_DEPTH = 16  # longer patterns come from a loop that walks down the tree: not followed
 _FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -165,12 +168,14 @@ class _Reader:
                 return set()
             key = e.slice
             if isinstance(key, ast.Slice):
-                return base  # a run of children: iterates and indexes as the node does
+                return _reordered(base)
             if isinstance(key, ast.Constant) and isinstance(key.value, str):
-                return self._grow(base, key.value)
-            if isinstance(key, ast.Constant) and type(key.value) is int and key.value >= 0:
-                return self._grow(base, str(key.value))
-            return self._grow(base, None)
+                name = key.value
+            elif isinstance(key, ast.Constant) and type(key.value) is int and key.value >= 0:
+                name = str(key.value)
+            else:
+                name = None
+            return self._child(base, name)
         if isinstance(e, ast.Call):
             return self._call(e)
         if isinstance(e, ast.NamedExpr):
@@ -203,6 +208,8 @@ class _Reader:
             return out
         if isinstance(func, ast.Name) and func.id in _SAME_CHILDREN and len(e.args) == 1:
             return self.nodes(e.args[0])
+        if isinstance(func, ast.Name) and func.id in _REORDERED and e.args:
+            return _reordered(self.nodes(e.args[0]))
         if isinstance(func, ast.Name) and func.id == "getattr" and len(e.args) >= 2:
             base = self.nodes(e.args[0])
             if not base:
@@ -214,6 +221,11 @@ class _Reader:
         if isinstance(func, ast.Attribute) and func.attr == "values":
             return self._children_dict(func.value)  # the children, as the node iterates them
         return set()
+
+    def _child(self, base: set[Pattern], name: str | None) -> set[Pattern]:
+        """Indexing: the named child of a node, any child of a reordered run of children."""
+        seqs = {p[:-1] + (None,) for p in base if p and p[-1] == _SEQ}
+        return seqs | self._grow({p for p in base if not p or p[-1] != _SEQ}, name)
 
     def _grow(self, base: set[Pattern], part: str | None) -> set[Pattern]:
         out = {p + (part,) for p in base}
@@ -230,7 +242,7 @@ class _Reader:
         ):
             base = self._children_dict(e.func.value)
             return {p + (None,) for p in base}
-        return {p + (None,) for p in self.nodes(e)}
+        return self._child(self.nodes(e), None)
 
     def _children_dict(self, e: ast.expr) -> set[Pattern]:
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "children":
@@ -265,13 +277,10 @@ class _Reader:
                     raise _Unknown
 
     def _bind_pair(self, target: ast.AST, value: ast.expr) -> None:
-        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
-            if len(target.elts) == len(value.elts) and not any(
-                isinstance(x, ast.Starred) for x in (*target.elts, *value.elts)
-            ):
-                for t, v in zip(target.elts, value.elts):
-                    self._bind_pair(t, v)
-                return
+        if isinstance(value, (ast.Tuple, ast.List)) and _unpacks(target, value):
+            for t, v in zip(target.elts, value.elts):
+                self._bind_pair(t, v)
+            return
         pats = self.nodes(value)
         if pats and isinstance(target, (ast.Tuple, ast.List)):
             raise _Unknown  # unpacking a node: its children
@@ -324,15 +333,21 @@ class _Reader:
             return
         if isinstance(parent, (ast.Tuple, ast.List)):
             grand = self.parents.get(parent)
-            if isinstance(grand, ast.Assign) and grand.value is parent:
-                return  # element-wise (checked when bound)
+            if (
+                isinstance(grand, ast.Assign)
+                and grand.value is parent
+                and all(_unpacks(t, parent) for t in grand.targets)
+            ):
+                return  # bound element-wise
         if isinstance(parent, (ast.Expr, ast.Compare, ast.Await, ast.FormattedValue, ast.IfExp, ast.BoolOp)):
             return
         if isinstance(parent, ast.keyword):
             parent = self.parents.get(parent)
         if isinstance(parent, ast.Call):
             func = parent.func
-            if isinstance(func, ast.Name) and func.id in (_HARMLESS | _SAME_CHILDREN | {"getattr"}):
+            if isinstance(func, ast.Name) and func.id in (
+                _HARMLESS | _SAME_CHILDREN | _REORDERED | {"getattr"}
+            ):
                 return
             if isinstance(func, ast.Name) and func.id in ("enumerate", "zip") and self._loop_iter(parent):
                 return  # followed where the loop binds its target
@@ -341,3 +356,16 @@ class _Reader:
     def _loop_iter(self, e: ast.expr) -> bool:
         parent = self.parents.get(e)
         return isinstance(parent, (ast.For, ast.AsyncFor, ast.comprehension)) and parent.iter is e
+
+
+def _unpacks(target: ast.AST, value: ast.Tuple | ast.List) -> bool:
+    """Whether ``target = value`` binds item by item (``a, b = m.x, m.y``)."""
+    return (
+        isinstance(target, (ast.Tuple, ast.List))
+        and len(target.elts) == len(value.elts)
+        and not any(isinstance(x, ast.Starred) for x in (*target.elts, *value.elts))
+    )
+
+
+def _reordered(base: set[Pattern]) -> set[Pattern]:
+    return {p if p and p[-1] == _SEQ else p + (_SEQ,) for p in base}

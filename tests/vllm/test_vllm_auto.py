@@ -28,7 +28,7 @@ def auto():
 
 
 def eager_steps(engine) -> int:
-    return sum(s["eager_steps"] for s in engine.worker_stats())
+    return sum(engine.eager_steps())
 
 
 async def on_taps(m):
@@ -185,3 +185,21 @@ def test_generation_mixes_compiled_and_eager_steps_with_the_same_tokens(auto, ti
     assert c.tokens.tolist() == ref.tolist()
     assert a.tokens.tolist() != c.tokens.tolist()  # the steering changed the tokens
     assert all(s["eager_requests"] == 0 and s["requests"] == 0 for s in auto.worker_stats())
+
+
+def test_a_location_reached_by_code_the_source_does_not_show_is_refused_clearly(auto):
+    async def by_eval(m):
+        return await eval("m.model.layers[0].mlp.output")  # a path the reading cannot see
+
+    async def fine(m):
+        return (await m.model.layers[0].output)[0].clone()
+
+    assert not auto.runs_eagerly(by_eval)
+    with pytest.raises(asyncpp.TapError) as info:
+        with asyncpp.trace(auto) as t:
+            good = t.invoke(PROMPT, fine)
+            t.invoke(PROMPT, by_eval)
+    msg = str(info.value)
+    assert msg.startswith("model.layers.0.mlp.output is not a tap of this VllmEngine (mode='auto')")
+    assert "taps=['model.layers.0.mlp']" in msg and "mode='eager'" in msg
+    assert good.result.dim() == 2  # the other request ran to its end

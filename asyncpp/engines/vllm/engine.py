@@ -137,7 +137,9 @@ class VllmEngine(Engine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncpp-vllm", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
-        progress = console.Progress(console.describe(options, default_model, self.mode), own_line=self.vllm_logs)
+        progress = console.Progress(
+            console.describe(options, default_model, self.mode), own_line=self.vllm_logs
+        )
         quiet = None if self.vllm_logs else console.StderrFilter()
         try:
             with (
@@ -397,6 +399,16 @@ class VllmEngine(Engine):
             return await self._unless_dead(self._llm.collective_rpc("asyncpp_stats"))
 
         return self._call(stats())
+
+    def eager_steps(self) -> list[int]:
+        """How many engine steps each worker has run eagerly so far (an auto engine's steps that
+        held a request needing eager; every step on an eager engine is not counted: 0)."""
+        self._check_open()
+
+        async def counts() -> Any:
+            return await self._unless_dead(self._llm.collective_rpc("asyncpp_eager_steps"))
+
+        return self._call(counts())
 
     def worker_trees(self) -> list[list[tuple[str, str]]]:
         """Every worker's own module tree as (path, type name) in ``named_modules()`` order, in rank

@@ -101,6 +101,10 @@ class AsyncppWorker(CPUWorker):
         """Connect to the driver's channel for streamed values; whether this rank sends on it."""
         return self.asyncpp.connect(address)
 
+    def asyncpp_eager_steps(self) -> int:
+        """How many steps this worker has run eagerly on an auto engine."""
+        return self.asyncpp.eager_steps
+
     def asyncpp_taps(self) -> dict[str, Any]:
         """Whether this worker runs vLLM's compiled model, its taps, and the compile time."""
         return self.asyncpp.taps_info()
@@ -480,7 +484,6 @@ class WorkerSession:
             **self.kernel.stats(),
             "emitting": len(self.of_block),
             "eager_requests": self.eager_requests,
-            "eager_steps": self.eager_steps,
             "pid": os.getpid(),
             **self._stage_stats(),
         }
