@@ -204,7 +204,8 @@ PyObject* link_attach(PyObject* o, PyObject* fields) {
   if (fast < 0 || (step == -1 && PyErr_Occurred())) return nullptr;
   PyObject* special_set = PySet_New(v[15]);  // a set of the link's own (any iterable is taken)
   if (!special_set) return nullptr;
-  PyObject* guarded_set = PySet_New(v[18]);
+  // a set is shared (its owner may change it between steps); any other iterable is copied
+  PyObject* guarded_set = PySet_CheckExact(v[18]) ? Py_NewRef(v[18]) : PySet_New(v[18]);
   if (!guarded_set) {
     Py_DECREF(special_set);
     return nullptr;

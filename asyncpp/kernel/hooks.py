@@ -10,6 +10,7 @@ path may serve a call is derived from the hooks (:attr:`RunHooks.fast_path`,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,7 +51,7 @@ class RunHooks:
     shard_in: Mapping[int, Any] | None = None
     copy_after: frozenset[int] = frozenset()
     refuse: Callable[[int, int], BaseException | None] | None = None
-    refuse_at: frozenset[int] = frozenset()
+    refuse_at: AbstractSet[int] = frozenset()
 
     @property
     def fast_path(self) -> bool:

@@ -20,7 +20,9 @@ The contract. All controllers of a model share one run link (``RunLink`` nativel
   these are read once and mutated in place by the kernel;
 * ``visit(index, forward, args, kwargs)`` / ``visit_output(index, out)``: a hot call;
 * ``guarded``: modules whose output waits the kernel parks itself (its ``refuse`` hook may reject
-  them): the fast path does not park a block's next wait there;
+  them): the fast path does not park a block's next wait there. A ``set`` is read live (its owner
+  may change it between steps: an auto vLLM engine empties it for its eager steps); any other
+  iterable is copied;
 * for the native fast path only: ``waits`` (wait key -> list of ``kernel.block.Wait``),
   ``refs_out``, ``ready``, ``resume(block, value, exc, msg, entered)``, ``complete(block, value)``,
   ``fail(block, exc)``, ``serve()``, ``budget_enter(block)`` / ``budget_leave(block)``, ``special``

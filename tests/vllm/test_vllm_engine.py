@@ -368,9 +368,10 @@ def test_outcomes_come_with_the_requests_end_and_only_abandoned_requests_are_col
         await m.model.layers[1].output
         raise ValueError("from the block")
 
-    async def slow(m):
+    async def slow(m):  # 400 steps of at least 5 ms: long past the caller's timeout
         async for _ in m.steps():
             await m.model.layers[0].output
+            time.sleep(0.005)
 
     async def run_all():
         with pytest.raises(ValueError, match="from the block"):  # (the trace re-raises it at exit)

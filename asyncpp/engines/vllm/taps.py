@@ -241,6 +241,8 @@ class TapPlan:
             (in_sites if on_input else sites).update(found)
         self.sites = frozenset(sites)  # output taps
         self.in_sites = frozenset(in_sites)  # input taps (the module's first argument)
+        #: the kernel's ``refuse_at`` (a set the native link reads live): emptied for eager steps
+        self.guarded = set(self.refuse_at)
 
     @property
     def refuse_at(self) -> frozenset[int]:

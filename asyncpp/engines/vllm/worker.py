@@ -152,7 +152,9 @@ class WorkerSession:
         self.plan = self._tap_plan(model)
         self.eager_requests = 0  # live requests that run their steps eagerly (auto mode)
         self.eager_steps = 0  # steps this worker ran eagerly on a compiled engine
-        self._eager_ready = False  # the compiled model's modules have their controllers
+        # (op, CPU kernel, compiled-mode method) of the compiled model's vLLM custom ops, once the
+        # first eager step has given those modules controllers
+        self._eager_ops: list[tuple[Any, Any, Any]] | None = None
         self._modules = modules
         controlled = modules
         if self.plan is not None:  # compiled: inside the graph, taps instead of controllers
@@ -178,7 +180,7 @@ class WorkerSession:
             # the sampler edits the logits in place (temperature): blocks keep what they were served
             copy_after=frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor"),
             refuse=None if self.plan is None else self.plan.refuse,
-            refuse_at=frozenset() if self.plan is None else self.plan.refuse_at,
+            refuse_at=frozenset() if self.plan is None else self.plan.guarded,
         )
         if pipeline is not None:
             self.stage = StageSession(ownership, pipeline.stage, pipeline.service, self._num_of)
@@ -268,18 +270,24 @@ class WorkerSession:
         """This step's forward runs the model's Python code (vLLM's ``skip_compiled``), served by
         controllers on every module, as on an eager engine; the taps stand aside."""
         plan = self.plan
-        if not self._eager_ready:
+        if self._eager_ops is None:
             # shadowed only now: vLLM traced these modules' forwards when it compiled the model
             inside = [(i, m) for i, m in enumerate(self._modules) if i in plan.inside and m is not None]
             self.controllers.extend(inside)
-            self._eager_ready = True
+            self._eager_ops = _native_kernels(m for _, m in inside)
         plan.eager_now = True
+        plan.guarded.clear()  # (the native fast path parks every wait again)
         taps.unbind()
+        for op, kernel, _ in self._eager_ops:
+            op._forward_method = kernel
         self.eager_steps += 1
         try:
             yield
         finally:
+            for op, _, compiled in self._eager_ops:
+                op._forward_method = compiled
             plan.eager_now = False
+            plan.guarded.update(plan.refuse_at)
             taps.bind(self.kernel, self.controllers, plan.sites)
 
     def _skip_compiled(self, *_: Any) -> None:
@@ -511,6 +519,23 @@ class WorkerSession:
             "served_bytes": st.get("bytes_out", 0),
             **self.stage.service.held(),
         }
+
+
+def _native_kernels(modules: Any) -> list[tuple[Any, Any, Any]]:
+    """vLLM's custom ops (RMSNorm, SiluAndMul, rotary embedding, ...) among ``modules``, with what
+    an eager step runs for each: on a compiled engine they run their plain-torch form, for inductor
+    to fuse, and some of them compiled on their own (``torch.compile`` of that form, which only
+    costs its guards when called from Python); an eager step runs their CPU form, as an eager
+    engine does: (op, CPU form, compiled engine's form)."""
+    from vllm.model_executor.custom_op import CustomOp
+
+    out = []
+    for m in modules:
+        if isinstance(m, CustomOp):
+            current = m.__dict__.get("_forward_method")
+            if current is not None and getattr(current, "__func__", None) is not type(m).forward_cpu:
+                out.append((m, m.forward_cpu, current))
+    return out
 
 
 def _compile_cache_counts() -> tuple[int, int]:
