@@ -1,9 +1,9 @@
 """Which mode is the default: asyncpp's vLLM engine in each mode on the same workloads (issue 14).
 
-One run, one model, the engines one after another (each alive alone while it is measured):
-``asyncpp.VllmEngine(model, dtype="float32", mode=...)`` for ``eager``, ``compiled`` and ``auto``
-(the default), with the machinery of benchmarks/vllm_stock.py (its prompts, batches, process CPU
-clocks and request options). Workloads, B requests at once, 64 new tokens each, greedy:
+One run, one model, three engines alive together and measured in turn, round by round (so that a
+drift of the machine falls on all three alike): ``asyncpp.VllmEngine(model, dtype="float32",
+mode=...)`` for ``eager``, ``compiled`` and ``auto`` (the default), with the machinery of
+benchmarks/vllm_stock.py (its prompts, batches, process CPU clocks and request options). Workloads, B requests at once, 64 new tokens each, greedy:
 
 * **plain**: requests without a block;
 * **reads**: a block that awaits every decoder layer's output every step (taps: compiled steps on
@@ -15,8 +15,9 @@ clocks and request options). Workloads, B requests at once, 64 new tokens each, 
   ``sub`` request is in it).
 
 Reported: generated tokens per CPU second of all the engine's processes (median over rounds), each
-mode against the compiled engine and against the eager one, and each engine's start and compile
-seconds. Usage::
+mode against the compiled engine and against the eager one; and, the steady measure (one engine's
+lifetime varies by up to 15 % against another's here), each workload against the same engine's
+plain requests in the same round; and each engine's start and compile seconds. Usage::
 
     .venv/bin/python benchmarks/vllm_modes.py                 # print the table
     .venv/bin/python benchmarks/vllm_modes.py --write         # and update docs/performance.md
@@ -82,24 +83,23 @@ async def batch(live: Any, workload: str, prompts: list[list[int]], n: int) -> l
     return await vs.trace_batch(live, prompts, BLOCKS[workload], n)
 
 
-async def measure(live: Any, args: argparse.Namespace, out: dict) -> None:
+async def measure(live: Any, args: argparse.Namespace, out: dict, rnd: int) -> None:
+    """One round of every workload on one engine (round -1: the warm-up, not kept)."""
     mode = live.spec.mode
     workloads = [w for w in WORKLOADS if runs_on(mode, w)]
-    prompts = vs.make_prompts(args.batch, args.seed, -1)
-    for w in workloads:  # warm-up
-        await batch(live, w, prompts, args.max_new_tokens)
-    for rnd in range(args.rounds):
-        prompts = vs.make_prompts(args.batch, args.seed, rnd)
-        k = rnd % len(workloads)
-        gc.collect()
-        for w in workloads[k:] + workloads[:k]:
-            c0 = live.procs.sample()[0]
-            t0 = time.perf_counter()
-            tokens = await batch(live, w, prompts, args.max_new_tokens)
-            wall = time.perf_counter() - t0
-            cpu = live.procs.sample()[0] - c0
-            made = sum(len(t) for t in tokens)
+    prompts = vs.make_prompts(args.batch, args.seed, rnd)
+    k = max(rnd, 0) % len(workloads)
+    gc.collect()
+    for w in workloads[k:] + workloads[:k]:
+        c0 = live.procs.sample()[0]
+        t0 = time.perf_counter()
+        tokens = await batch(live, w, prompts, args.max_new_tokens)
+        wall = time.perf_counter() - t0
+        cpu = live.procs.sample()[0] - c0
+        made = sum(len(t) for t in tokens)
+        if rnd >= 0:
             out.setdefault((mode, w), []).append((made / cpu, made / wall))
+    if rnd >= 0:
         figures = ", ".join(f"{w} {out[(mode, w)][-1][0]:.0f}" for w in workloads)
         print(f"  {mode} round {rnd + 1}/{args.rounds}: tok/CPU-s {figures}", flush=True)
 
@@ -131,7 +131,21 @@ def table(out: dict, engines: dict[str, dict[str, float]]) -> str:
     starts = ", ".join(
         f"{m}: start {e['start']:.1f} s (compile {e['compile']:.1f} s)" for m, e in engines.items()
     )
-    return "\n".join(rows) + f"\n\nEngines: {starts}.\n"
+    own = [
+        "| workload / plain, same engine and round | eager | compiled | auto |",
+        "|---|---|---|---|",
+    ]
+    for w in WORKLOADS[1:]:
+        cells = []
+        for m in MODES:
+            got, plain = out.get((m, w)), out.get((m, "plain"))
+            if not got:
+                cells.append("refused")
+                continue
+            ratios = [a[0] / b[0] for a, b in zip(got, plain, strict=True)]
+            cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+        own.append(f"| {w} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n" + "\n".join(own) + f"\n\nEngines: {starts}.\n"
 
 
 def main() -> int:
@@ -153,13 +167,23 @@ def main() -> int:
     out: dict = {}
     engines: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    for mode in MODES:
-        live = vs.start_engine(vs._spec("asyncpp", "asyncpp", mode), model)
-        engines[mode] = {"start": live.start_seconds, "compile": live.asyncpp_compile_seconds or 0.0}
-        print(f"{mode}: started in {live.start_seconds:.1f} s", flush=True)
-        try:
-            asyncio.run(measure(live, args, out))
-        finally:
+    lives = []
+    try:
+        for mode in MODES:
+            live = vs.start_engine(vs._spec("asyncpp", "asyncpp", mode), model)
+            lives.append(live)
+            engines[mode] = {"start": live.start_seconds, "compile": live.asyncpp_compile_seconds or 0.0}
+            print(f"{mode}: started in {live.start_seconds:.1f} s", flush=True)
+
+        async def rounds() -> None:
+            for rnd in range(-1, args.rounds):
+                k = max(rnd, 0) % len(lives)
+                for live in lives[k:] + lives[:k]:
+                    await measure(live, args, out, rnd)
+
+        asyncio.run(rounds())
+    finally:
+        for live in lives:
             vs.close_engine(live)
     text = table(out, engines)
     cmd = "python benchmarks/vllm_modes.py " + " ".join(sys.argv[1:])
@@ -167,7 +191,7 @@ def main() -> int:
         f"{SECTION}\n\nAsyncpp's `VllmEngine` in each mode on the same requests: {vs.MODEL_LABEL[args.model]}, "
         f"float32, B={args.batch} requests at once, {args.max_new_tokens} new tokens each, greedy, new "
         f"prompts every round; generated tokens per CPU second of all the engine's processes (median of "
-        f"{args.rounds} rounds; higher is better). `sub` reads a sub-module (no tap): a compiled engine "
+        f"{args.rounds} rounds, the three engines alive together and measured in turn; higher is better). `sub` reads a sub-module (no tap): a compiled engine "
         f"refuses it, an auto one runs those requests' steps eagerly; `mixed` is half `reads`, half "
         f"`sub`. Command: `{cmd.strip()}` ({time.perf_counter() - t0:.0f} s).\n\n{text}"
     )
