@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MODES, mode_options
+from helpers import ALL_MODES, mode_options
 
 import asyncpp
 
@@ -18,7 +18,7 @@ ATOL = 1e-4
 TEXT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=ALL_MODES)
 def tp_engine(request):
     engine = asyncpp.VllmEngine(dtype="float32", tensor_parallel_size=2, **mode_options(request.param))
     yield engine
