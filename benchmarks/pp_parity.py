@@ -1,7 +1,7 @@
 """Pipeline-parallel parity: interpretability workloads on a vLLM engine split over two stages,
 compared cell by cell with the same workloads on one stage.
 
-Every configuration is an ``asyncpp.VllmEngine(dtype="float32")`` on the embedded tiny 4-layer
+Every configuration is an ``asyncpp.VllmEngine(dtype="float32", mode="eager")`` on the embedded tiny 4-layer
 Llama (random weights, hidden 128, vocab 259, byte-level tokenizer), started one at a time (each is
 closed before the next starts): PP=1 (one stage, the reference), PP=2 (layers 0-1 on stage 0,
 2-3 on stage 1) and, with ``--tp``, TP=2 (one stage, two tensor-parallel ranks) and TP=2 x PP=2
@@ -499,7 +499,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     and the taps the workloads need."""
     if cfg.mode == "compiled":
         return {**cfg.options, "mode": "compiled", "taps": COMPILED_TAPS}
-    return dict(cfg.options)
+    return {**cfg.options, "mode": "eager"}
 
 
 def held_state(engine: Any, patience_s: float = 10.0) -> list[dict[str, int]]:
@@ -786,7 +786,7 @@ def render(
     )
     runs = f"{args.repeats} timed run{'s' if args.repeats != 1 else ''}"
     engines = {
-        "eager": 'Every configuration is an `asyncpp.VllmEngine(dtype="float32")`',
+        "eager": 'Every configuration is an `asyncpp.VllmEngine(dtype="float32", mode="eager")`',
         "compiled": (
             "Every configuration is a compiled `asyncpp.VllmEngine` (`--mode compiled`: vLLM's "
             "compiled model, blocks served at taps)"

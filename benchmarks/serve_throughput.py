@@ -108,10 +108,12 @@ VLLM_FLAGS = [
     "--max-num-seqs", "128",
     "--disable-uvicorn-access-log",
 ]  # fmt: skip
-# asyncpp serve: the rest are VllmEngine's fixed defaults (eager, no prefix caching or chunked
-# prefill, long_prefill_token_threshold 0, max_num_batched_tokens = max_model_len, 1 GiB KV cache)
+# asyncpp serve: eager as vLLM's above; the rest are VllmEngine's fixed defaults (no prefix caching
+# or chunked prefill, long_prefill_token_threshold 0, max_num_batched_tokens = max_model_len, 1 GiB
+# KV cache)
 ASYNCPP_FLAGS = [
     "--dtype", "float32",
+    "--mode", "eager",
     "--max-model-len", "512",
     "--max-num-seqs", "128",
     "--max-concurrent", "64",

@@ -1022,7 +1022,7 @@ def main() -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     info = machine_info()
     t0 = perf()
-    engine = asyncpp.VllmEngine(dtype="float32")
+    engine = asyncpp.VllmEngine(dtype="float32", mode="eager")  # (the mode its figures were made in)
     startup = perf() - t0
     try:
         meter = CpuMeter()
