@@ -14,15 +14,13 @@ what is sure to run), every branch counts here: the footprint covers whatever th
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import FunctionType
 from typing import Any
 
 from .location import Location
 from .tree import Node
+from .validate import block_ast, block_function
 
 KINDS = frozenset({"output", "input", "inputs", "skip"})
 _ALIASES = frozenset({"logits", "samples"})  # the root's run-wide locations
@@ -66,15 +64,10 @@ class _Unknown(Exception):
 
 def block_footprint(block: Callable, args: tuple = (), kwargs: dict | None = None) -> Footprint | None:
     """The footprint of ``block(tree, *args, **kwargs)``, or None when it cannot be told."""
-    from .validate import _unwrap
-
     for value in (*args, *(kwargs or {}).values()):
         if isinstance(value, (Node, Location)):
             return None  # a node handed in: the block may reach anything under it
-    if type(block) is FunctionType:
-        fn, offset = block, 0
-    else:
-        fn, offset = _unwrap(block)
+    fn, offset = block_function(block)
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
@@ -90,11 +83,10 @@ _CACHE: dict[Any, dict[int, Footprint | None]] = {}
 
 
 def _read(fn: Callable, offset: int) -> Footprint | None:
-    try:
-        lines, _ = inspect.getsourcelines(fn)
-        node = ast.parse(textwrap.dedent("".join(lines))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    parsed = block_ast(fn)
+    if parsed is None:
         return None
+    node = parsed[0]
     if not isinstance(node, _FUNCS):
         return None  # a lambda (its line holds more than the function)
     params = [*node.args.posonlyargs, *node.args.args]

@@ -49,10 +49,7 @@ _SAME_LENGTH = frozenset({"enumerate", "reversed", "list", "tuple", "sorted", "i
 
 def check_block_paths(block: Callable, tree: Root) -> None:
     """Raise :class:`PathError` if ``block`` is sure to name a module path ``tree`` does not have."""
-    if type(block) is FunctionType:
-        fn, offset = block, 0
-    else:
-        fn, offset = _unwrap(block)
+    fn, offset = block_function(block)
     code = getattr(fn, "__code__", None)
     if code is None:
         return
@@ -62,12 +59,11 @@ def check_block_paths(block: Callable, tree: Root) -> None:
         seen = tree.__dict__["_checked_codes"] = set()
     if key in seen:
         return
-    try:
-        lines, first = inspect.getsourcelines(fn)
-        node = ast.parse(textwrap.dedent("".join(lines))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    parsed = block_ast(fn)
+    if parsed is None:
         seen.add(key)
         return
+    node, first = parsed
     params = [*node.args.posonlyargs, *node.args.args] if isinstance(node, _FUNCS) else []
     if offset < len(params):
         found = _Checker(tree, params[offset].arg).run(node)
@@ -78,9 +74,20 @@ def check_block_paths(block: Callable, tree: Root) -> None:
     seen.add(key)
 
 
-def _unwrap(block: Callable) -> tuple[Callable, int]:
+def block_ast(fn: Callable) -> tuple[ast.AST, int] | None:
+    """The syntax tree of ``fn``'s source and its first line, or None without a readable source."""
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        return ast.parse(textwrap.dedent("".join(lines))).body[0], first
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+
+
+def block_function(block: Callable) -> tuple[Callable, int]:
     """The function under bound methods and partials, and the index of the parameter that
     receives the tree: ``partial(f, a)(m)`` calls ``f(a, m)``, ``obj.f(m)`` calls ``f(obj, m)``."""
+    if type(block) is FunctionType:
+        return block, 0
     offset = 0
     while True:
         if isinstance(block, functools.partial):
