@@ -71,15 +71,19 @@ def block_footprint(block: Callable, args: tuple = (), kwargs: dict | None = Non
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
-    cache = _CACHE.get(code)
-    if cache is not None and offset in cache:
-        return cache[offset]
-    result = _read(fn, offset)
-    _CACHE.setdefault(code, {})[offset] = result
+    key = (code, offset)
+    try:
+        return _CACHE[key]
+    except KeyError:
+        pass
+    result = _CACHE[key] = _read(fn, offset)
+    if len(_CACHE) > _CACHE_SIZE:  # (shipped code makes a new code object per request)
+        del _CACHE[next(iter(_CACHE))]
     return result
 
 
-_CACHE: dict[Any, dict[int, Footprint | None]] = {}
+_CACHE: dict[tuple[Any, int], Footprint | None] = {}  # oldest first
+_CACHE_SIZE = 1024
 
 
 def _read(fn: Callable, offset: int) -> Footprint | None:
