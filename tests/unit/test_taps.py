@@ -12,6 +12,7 @@ from asyncpp.kernel.errors import TapError
 from asyncpp.kernel.hooks import RunHooks
 from asyncpp.kernel.interleaver import Interleaver
 from asyncpp.kernel.traps import INPUT, INPUTS, OUTPUT, SKIP
+from asyncpp.locations.footprint import block_footprint
 from asyncpp.locations.tree import build_tree
 from asyncpp.native import enabled
 from asyncpp.native.controllers import Controllers
@@ -81,6 +82,31 @@ def test_refusals_name_the_location_the_taps_and_the_option():
     assert "m.output" in str(p.refuse(PATHS.index("model"), OUTPUT))
     for outside in ("", "logits_processor", "sampler"):
         assert p.refuse(PATHS.index(outside), INPUTS) is None  # served by controllers, as in eager
+
+
+def test_an_auto_plan_runs_eagerly_what_reaches_past_its_taps():
+    async def on_taps(m):
+        for layer in m.model.layers:
+            await layer.output
+        return await m.logits, await m.inputs
+
+    async def on_a_sub_module(m, i):
+        return await m.model.layers[i].mlp.output
+
+    async def inputs_of_a_layer(m):
+        return await m.model.layers[0].inputs
+
+    p = taps.TapPlan(PATHS, TYPES, ["model"], [], auto=True)
+    assert not p.needs_eager(block_footprint(on_taps))
+    assert p.needs_eager(block_footprint(on_a_sub_module, (0,)))
+    assert p.needs_eager(block_footprint(inputs_of_a_layer))
+    assert p.needs_eager(None)  # a block whose code cannot be read
+    tapped = taps.TapPlan(PATHS, TYPES, ["model"], ["model.layers.*.mlp"], auto=True)
+    assert not tapped.needs_eager(block_footprint(on_a_sub_module, (1,)))
+    mlp = PATHS.index("model.layers.0.mlp")
+    assert "mode='auto'" in str(p.refuse(mlp, OUTPUT))
+    p.eager_now = True  # an eager step serves every location
+    assert p.refuse(mlp, OUTPUT) is None and p.refuse(PATHS.index("model.layers.0"), INPUTS) is None
 
 
 def test_pattern_matching_is_name_by_name():

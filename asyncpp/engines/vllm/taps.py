@@ -211,6 +211,7 @@ class TapPlan:
         self.auto = auto
         #: whether this step runs eagerly (controllers serve every location; the taps stand aside)
         self.eager_now = False
+        self._needs: dict[Footprint, bool] = {}  # needs_eager, per footprint
         self.roots = list(roots)
         self.patterns = list(patterns)
         self._index = index = {p: i for i, p in enumerate(self.paths)}
@@ -276,6 +277,12 @@ class TapPlan:
         cannot serve it."""
         if footprint is None:
             return True
+        known = self._needs.get(footprint)
+        if known is None:
+            known = self._needs[footprint] = self._reaches_untapped(footprint)
+        return known
+
+    def _reaches_untapped(self, footprint: Footprint) -> bool:
         for path, kinds in footprint.modules(self.paths).items():
             index = self._index.get(path)
             if index is None or index not in self.inside:
