@@ -231,13 +231,6 @@ class _Reader:
 
     def _children_of(self, e: ast.expr) -> set[Pattern]:
         """What iterating ``e`` yields, where it yields module nodes."""
-        if (
-            isinstance(e, ast.Call)
-            and isinstance(e.func, ast.Attribute)
-            and e.func.attr in ("values", "items")
-        ):
-            base = self._children_dict(e.func.value)
-            return {p + (None,) for p in base}
         return self._child(self.nodes(e), None)
 
     def _children_dict(self, e: ast.expr) -> set[Pattern]:

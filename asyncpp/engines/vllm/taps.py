@@ -17,8 +17,9 @@ model, with each decoder layer of its layer list) plus the user's patterns.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +66,18 @@ def bind(kernel: Any, controllers: Any, sites: Iterable[int]) -> None:
 def unbind() -> None:
     global _server
     _server = None
+
+
+@contextlib.contextmanager
+def standing_aside() -> Iterator[None]:
+    """The taps serve nothing meanwhile (their operator returns at once): for a step whose
+    modules' controllers serve every location instead (an auto engine's eager step)."""
+    global _server
+    server, _server = _server, None
+    try:
+        yield
+    finally:
+        _server = server
 
 
 def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None:
@@ -283,19 +296,21 @@ class TapPlan:
         return known
 
     def _reaches_untapped(self, footprint: Footprint) -> bool:
-        for path, kinds in footprint.modules(self.paths).items():
-            index = self._index.get(path)
-            if index is None or index not in self.inside:
-                continue
-            for kind in kinds:
-                if kind is not None and self.refuse(index, KIND_CODES[kind], always=True) is not None:
-                    return True
-        return False
+        index = self._index
+        return any(
+            kind is not None and self._refusal(index[path], KIND_CODES[kind]) is not None
+            for path, kinds in footprint.modules(self.paths).items()
+            for kind in kinds
+        )
 
-    def refuse(self, index: int, kind: int, always: bool = False) -> TapError | None:
-        """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it
-        (in this step, unless ``always``)."""
-        if index not in self.inside or (self.eager_now and not always):
+    def refuse(self, index: int, kind: int) -> TapError | None:
+        """The error for a wait on (``index``, ``kind``), if this step cannot serve it (the
+        kernel's ``refuse`` hook; an eager step serves every location)."""
+        return None if self.eager_now else self._refusal(index, kind)
+
+    def _refusal(self, index: int, kind: int) -> TapError | None:
+        """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it."""
+        if index not in self.inside:
             return None
         if (kind == OUTPUT and index in self.sites) or (kind == INPUT and index in self.in_sites):
             return None

@@ -277,18 +277,17 @@ class WorkerSession:
             self._eager_ops = _native_kernels(m for _, m in inside)
         plan.eager_now = True
         plan.guarded.clear()  # (the native fast path parks every wait again)
-        taps.unbind()
         for op, kernel, _ in self._eager_ops:
             op._forward_method = kernel
         self.eager_steps += 1
         try:
-            yield
+            with taps.standing_aside():
+                yield
         finally:
             for op, _, compiled in self._eager_ops:
                 op._forward_method = compiled
             plan.eager_now = False
             plan.guarded.update(plan.refuse_at)
-            taps.bind(self.kernel, self.controllers, plan.sites)
 
     def _skip_compiled(self, *_: Any) -> None:
         if self.plan.eager_now:
