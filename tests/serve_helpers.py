@@ -86,7 +86,7 @@ class Server:
 
 
 def start_server(
-    directory: Path, test_blocks: str, *options: str, cls: type = Server, ready_s: float = 90
+    directory: Path, test_blocks: str, *options: str, cls: type = Server, ready_s: float = 180
 ) -> Iterator[Server]:
     """Start the server with examples/serve_blocks.py and ``test_blocks`` (module source), wait until
     it is ready (at most ``ready_s``), yield it, and stop it (SIGTERM, then SIGKILL): a fixture's

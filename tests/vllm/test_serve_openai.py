@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.timeout(90)  # the first test also waits for the server (20-40 s)
+pytestmark = pytest.mark.timeout(240)  # the first test also waits for the server (compiled: 20-90 s)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "asyncpp-tiny-llama"
