@@ -272,21 +272,47 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     budget = budget if budget > 0 else None
     try:
-        engine = asyncpp.VllmEngine(args.model, block_budget=budget, **engine_options)
+        with _sigterm_exits():
+            engine = asyncpp.VllmEngine(args.model, block_budget=budget, **engine_options)
     except (TypeError, ValueError) as e:
         sock.close()
         _say(f"error: bad engine option: {e}", err=True)
         return 2
+    except SystemExit:
+        sock.close()
+        _say("stopped while the engine was starting", err=True)
+        raise
     try:
-        app = create_app(
-            engine, registry, tokens=tokens, allow_code=args.allow_code, limits=limits, model_name=args.model
-        )
+        with _sigterm_exits():
+            app = create_app(
+                engine,
+                registry,
+                tokens=tokens,
+                allow_code=args.allow_code,
+                limits=limits,
+                model_name=args.model,
+            )
         _run(app, sock, args, app.state.asyncpp["model"])
     finally:
         engine.close()
         sock.close()
         _say("stopped", err=True)
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit (status 143) inside the ``with``, as Ctrl-C raises
+    KeyboardInterrupt: a server stopped while its engine starts ends vLLM's processes too."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _run(app: Any, sock: socket.socket, args: argparse.Namespace, model: str) -> None:

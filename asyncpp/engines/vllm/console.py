@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from . import lifeline
+
 LOGS_ENV = "ASYNCPP_VLLM_LOGS"  # "1": show vLLM's own logs (VllmEngine(vllm_logs=None) reads it)
 
 # python warnings vLLM's processes raise while importing vLLM (PYTHONWARNINGS takes module names
@@ -48,6 +50,7 @@ def child_env(logs: bool, workers: int = 1) -> dict[str, str]:
     asserts a NUMA node per worker, which a one-node machine does not have: those engines run
     with ``nobind``. A one-worker engine keeps vLLM's default."""
     env = {LOGS_ENV: "1" if logs else "0"}  # the engine's choice, read by asyncpp's worker
+    env[lifeline.ENV] = lifeline.driver_token()  # vLLM's processes end when this one does
     # vLLM 0.32 cannot load the ahead-of-time compiled artifacts it saves on its CPU platform
     # ("'function' object has no attribute 'finalize_loading'"): a compiled engine would compile
     # anyway, and save an artifact again. Without them inductor's own cache serves a later start.
@@ -67,13 +70,13 @@ def starting_env(logs: bool, workers: int = 1) -> Iterator[dict[str, str]]:
     """Set :func:`child_env` in ``os.environ`` while the engine starts, then restore it.
 
     A variable the user has set is kept (``PYTHONWARNINGS`` gets asyncpp's entries appended, so
-    the user's own filters still apply), except ``ASYNCPP_VLLM_LOGS``, which carries the engine's
-    choice to its workers."""
+    the user's own filters still apply), except ``ASYNCPP_VLLM_LOGS`` and ``ASYNCPP_DRIVER``, which
+    carry the engine's choice and this process's name to its workers."""
     env = child_env(logs, workers)
     saved = {k: os.environ.get(k) for k in env}
     for key, value in env.items():
         old = saved[key]
-        if key == LOGS_ENV or old is None:
+        if key in (LOGS_ENV, lifeline.ENV) or old is None:
             os.environ[key] = value
         elif key == "PYTHONWARNINGS":
             os.environ[key] = f"{old},{value}" if old else value

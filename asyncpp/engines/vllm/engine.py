@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import gc
 import itertools
 import os
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,7 +34,7 @@ from ...pp.merge import NOT_HERE, merge
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import await_future
 from ..inputs import InputError, token_rows
-from . import console
+from . import console, lifeline
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_block, unpack_outcome
 from .stream import Receiver
@@ -141,14 +143,19 @@ class VllmEngine(Engine):
             console.describe(options, default_model, self.mode), own_line=self.vllm_logs
         )
         quiet = None if self.vllm_logs else console.StderrFilter()
+        before = lifeline.children()
+        self._abandoned = threading.Event()
+        start = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
         try:
             with (
                 console.starting_env(self.vllm_logs, _workers(options)),
                 quiet.redirect() if quiet else contextlib.nullcontext(),
             ):
-                self._llm, entries, procs = self._call(self._start())
-        except BaseException:
+                self._llm, entries, procs = self._starting(start)
+        except BaseException as e:
             progress.done("failed after")
+            if not isinstance(e, Exception):  # interrupted: vLLM's start goes on in the loop thread
+                self._abandon(start, before)
             self._stop_loop()
             raise
         self._stderr = quiet  # forwards vLLM's processes' stderr for as long as they run
@@ -188,6 +195,23 @@ class VllmEngine(Engine):
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    @staticmethod
+    def _starting(start: concurrent.futures.Future) -> Any:
+        # woken twice a second, so that a signal's handler (Ctrl-C) runs while vLLM starts
+        while not start.done():
+            concurrent.futures.wait([start], timeout=0.5)
+        return start.result()
+
+    def _abandon(self, start: concurrent.futures.Future, before: set[int]) -> None:
+        """The start was interrupted (Ctrl-C; a server's SIGTERM) while vLLM's start goes on in the
+        engine's thread: end the engine cores it makes until it gives up, or have it shut down
+        the engine it has made."""
+        self._abandoned.set()
+        deadline = time.monotonic() + 60
+        while not start.done() and time.monotonic() < deadline:
+            lifeline.end_engine_cores(before)
+            concurrent.futures.wait([start], timeout=0.2)
+
     async def _start(self) -> tuple[Any, list, list[Proc]]:
         _import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -201,6 +225,8 @@ class VllmEngine(Engine):
             await self._receiver.close()
             raise
         try:
+            if self._abandoned.is_set():
+                raise AsyncppError("the engine's start was interrupted")
             self._taps_info = (await llm.collective_rpc("asyncpp_taps"))[0]
             if self._taps_info["error"]:
                 raise ValueError(self._taps_info["error"])

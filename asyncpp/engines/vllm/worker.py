@@ -41,7 +41,7 @@ from ...native.controllers import Controllers
 from ...pp.ownership import Ownership, report
 from ...pp.pulls import PullService
 from ...pp.stage import StageSession
-from . import taps
+from . import lifeline, taps
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_outcome, unpack_block
@@ -53,6 +53,10 @@ log = logging.getLogger("asyncpp.vllm")
 
 class AsyncppWorker(CPUWorker):
     """vLLM's CPU worker with asyncpp's controllers and interleaver."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        lifeline.watch_driver()
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         _quiet_warnings()
