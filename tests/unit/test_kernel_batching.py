@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import asyncpp
+import asyncpp.native
+from asyncpp.kernel import batching
 
 
 def test_each_block_sees_only_its_rows(mlp):
@@ -132,3 +134,45 @@ def test_many_blocks_at_one_call_see_each_others_edits_in_invoke_order(mlp):
     assert torch.allclose(a.result, mlp[2:4](expected[:2]), atol=1e-6)
     assert torch.allclose(b.result, mlp[2:4](expected[2:]), atol=1e-6)
     assert torch.allclose(a.output, mlp[2:](expected)[:2], atol=1e-6)
+
+
+def _python_narrow(value, rows, batch):
+    """The Python twin of the native narrowing (batching.narrow without the native hand-off)."""
+    saved, batching._native_narrow = batching._native_narrow, None
+    try:
+        return batching.narrow(value, rows, batch)
+    finally:
+        batching._native_narrow = saved
+
+
+@pytest.mark.parametrize("mode", ["inference", "grad"])
+def test_native_row_narrowing_agrees_with_the_python_twin(mode):
+    native = asyncpp.native.load()
+    if native is None:
+        pytest.skip("the native extension is off")
+    ctx = torch.inference_mode() if mode == "inference" else torch.enable_grad()
+    with ctx:
+        base = torch.randn(6, 5, 4, requires_grad=mode == "grad")
+        h = base * 2 if mode == "grad" else base
+        odd = h[:, 1]  # not contiguous: strides (20, 1)
+        value = (h, None, torch.ones(3), [odd, 7])
+        for rows in [(1, 3), (0, 6), (4, 4), (5, 6)]:
+            got = native.narrow_rows(value, rows[0], rows[1], 6)
+            want = _python_narrow(value, rows, 6)
+            assert type(got) is tuple and type(got[3]) is list
+            for g, w in [(got[0], want[0]), (got[2], want[2]), (got[3][0], want[3][0])]:
+                assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
+                assert g.storage_offset() == w.storage_offset()
+                assert g.is_inference() == w.is_inference() == (mode == "inference")
+                assert torch.equal(g, w)
+            assert got[1] is None and got[2] is value[2] and got[3][1] == 7
+        view = native.narrow_rows(h, 2, 4, 6)
+    if mode == "inference":
+        with torch.inference_mode():
+            view += 1  # an edit of the rows lands in the batch
+        assert (
+            torch.equal(h[2:4], view) and view.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+        )
+    else:
+        view.sum().backward()  # the rows stay in the autograd graph
+        assert base.grad[2:4].eq(2).all() and base.grad[:2].eq(0).all()
