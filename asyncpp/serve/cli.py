@@ -283,15 +283,9 @@ def serve(argv: Sequence[str]) -> int:
         _say("stopped while the engine was starting", err=True)
         raise
     try:
-        with _sigterm_exits():
-            app = create_app(
-                engine,
-                registry,
-                tokens=tokens,
-                allow_code=args.allow_code,
-                limits=limits,
-                model_name=args.model,
-            )
+        app = create_app(
+            engine, registry, tokens=tokens, allow_code=args.allow_code, limits=limits, model_name=args.model
+        )
         _run(app, sock, args, app.state.asyncpp["model"])
     finally:
         engine.close()

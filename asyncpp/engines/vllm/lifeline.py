@@ -24,6 +24,8 @@ import signal
 import threading
 import time
 
+from .watch import stat_fields
+
 ENV = "ASYNCPP_DRIVER"
 GRACE_S = 10.0  # for vLLM's shutdown after SIGTERM, before SIGKILL
 
@@ -41,12 +43,8 @@ def _boot_id() -> str:
 def start_time(pid: int) -> int | None:
     """The process's start time (clock ticks after boot, ``/proc/<pid>/stat`` field 22), or None
     when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def driver_token(pid: int | None = None) -> str:

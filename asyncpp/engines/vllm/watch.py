@@ -28,15 +28,21 @@ class Proc:
     where: str = ""  # ", pipeline stage 1, tensor-parallel rank 0" (after the pid)
 
 
-def exit_status(pid: int) -> str | None:
-    """How a process that has just ended ended ("killed by signal 9 (SIGKILL)", "exited with status
-    1"), read from ``/proc`` while it is a zombie; None once its parent has reaped it."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the state first, field 3), or
+    None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2 :].split()
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def exit_status(pid: int) -> str | None:
+    """How a process that has just ended ended ("killed by signal 9 (SIGKILL)", "exited with status
+    1"), read from ``/proc`` while it is a zombie; None once its parent has reaped it."""
+    fields = stat_fields(pid)
     if not fields or fields[0] != b"Z":
         return None
     try:
