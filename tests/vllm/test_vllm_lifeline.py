@@ -101,6 +101,8 @@ def test_a_server_stopped_while_its_engine_starts_leaves_no_process(tmp_path):
         assert _wait_gone(proc.pid, 40) == []
         text = log.read_text(errors="replace")
         assert "stopped while the engine was starting" in text, text[-2000:]
-        assert "Traceback" not in text, text[-3000:]
+        # the server's own lines (vLLM's processes prefix theirs with "(Worker pid=...)", and may
+        # log their own failed start): no traceback of the server itself
+        assert not any(line.startswith("Traceback") for line in text.splitlines()), text[-3000:]
     finally:
         _kill_session(proc)
