@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from .errors import MissingAwaitError, WriteError
+from .views import ValueView
 
 _native_narrow: Any = None  # csrc/rows.cpp's narrow_rows, once the native extension is loaded
 
@@ -115,27 +116,41 @@ def _check_shapes(full: Any, new: Any, where: str) -> None:
             _check_shapes(f, n, f"{where}[{i}]")
 
 
-def get_item(value: Any, keys: tuple) -> Any:
-    """Index ``value`` by each key in turn (the element path of a sub-location)."""
+def get_item(value: Any, keys: tuple, block: Any = None) -> Any:
+    """Index ``value`` by each key in turn (the element path of a sub-location); a
+    :class:`~.views.ValueView` key presents the value reached so far (to ``block``)."""
     for k in keys:
-        value = value[k]
+        value = k.present(value, block) if isinstance(k, ValueView) else value[k]
     return value
 
 
-def put_at(full: Any, keys: tuple, new: Any, rows: tuple[int, int] | None, batch: int, where: str) -> Any:
+def put_at(
+    full: Any,
+    keys: tuple,
+    new: Any,
+    rows: tuple[int, int] | None,
+    batch: int,
+    where: str,
+    block: Any = None,
+) -> Any:
     """Return ``full`` with the element at ``keys`` replaced by ``new`` for the given rows.
 
-    Keys that index containers (a tuple output's element) rebuild the container; once a tensor is
-    reached, the remaining keys index the block's own rows of it and the assignment is in place.
+    Keys that index containers (a tuple output's element) rebuild the container; once a tensor or
+    a value view is reached, the remaining keys index the block's own rows of it and the
+    assignment is in place.
     """
     if not keys:
         return widen(full, new, rows, batch, where)
-    if isinstance(full, Tensor):
-        view = get_item(narrow(full, rows, batch), keys[:-1])
-        view[keys[-1]] = new
-        return full
     k = keys[0]
-    child = put_at(full[k], keys[1:], new, rows, batch, where)
+    if isinstance(full, Tensor) or isinstance(k, ValueView):
+        own = narrow(full, rows, batch)
+        last = keys[-1]
+        if isinstance(last, ValueView):
+            last.write(get_item(own, keys[:-1], block), new, block, where)
+        else:
+            get_item(own, keys[:-1], block)[last] = new
+        return full
+    child = put_at(full[k], keys[1:], new, rows, batch, where, block)
     if isinstance(full, dict):
         items = dict(full)
         items[k] = child

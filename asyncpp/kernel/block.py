@@ -32,6 +32,7 @@ class Block:
         "session",
         "budget_step",
         "budget_used",
+        "tokens",
     )
 
     def __init__(self, coro, order: int, rows: tuple[int, int] | None, name: str = "block"):
@@ -53,6 +54,7 @@ class Block:
         self.session: Any = None  # its open asyncpp.backward(...) session
         self.budget_step = -1  # with a time budget: the step its time is counted in, and that time
         self.budget_used = 0.0
+        self.tokens: int | None = None  # its prompt's tokens, where the batch pads rows to one width
 
     def where(self) -> str:
         """File and line where the block is suspended."""

@@ -201,12 +201,15 @@ class Interleaver:
         rows: tuple[int, int] | None = None,
         name: str = "block",
         req_rows: Any = NOTHING,
+        tokens: int | None = None,
     ) -> Block:
         """Register a block coroutine and run it until its first wait. ``rows`` are its rows of
-        the batch (None: all); ``req_rows`` its rows of request-level values (default: ``rows``)."""
+        the batch (None: all); ``req_rows`` its rows of request-level values (default: ``rows``);
+        ``tokens`` the length of its prompt where rows are left-padded to the batch's width."""
         block = Block(coro, order, rows, name)
         if req_rows is not NOTHING:
             block.req_rows = req_rows
+        block.tokens = tokens
         block.step = self.step
         self.blocks.append(block)
         if self.switch is not None:

@@ -105,7 +105,7 @@ def read_value(k: Any, block: Any, v: Visit, trap: Read) -> Any:
     elif block.rows is not None:
         value = batching.narrow(value, block.rows, k.batch_size)
     if trap.keys:
-        value = batching.get_item(value, trap.keys)
+        value = batching.get_item(value, trap.keys, block)
     return value
 
 
@@ -130,7 +130,7 @@ def apply_write(k: Any, block: Any, v: Visit, write: Any) -> None:
     if k.grad and rows is not None:
         _write_rows(k, block, v, target, write.value, current, where)
         return
-    new = batching.put_at(current, target.keys, write.value, rows, batch, where)
+    new = batching.put_at(current, target.keys, write.value, rows, batch, where, block)
     v.set(target.kind, new, where)
     if k.grad and not target.keys and block.seen is not None:
         block.seen[(target.key, k.step, v.n)] = new  # the value the model goes on with
@@ -161,7 +161,7 @@ def _write_rows(k: Any, block: Any, v: Visit, target: Read, new: Any, current: A
     rows = block.rows
     part = parts_of(k, v, target.kind, current)
     if target.keys:
-        batching.put_at(part.get(rows), target.keys, new, None, k.batch_size, where)
+        batching.put_at(part.get(rows), target.keys, new, None, k.batch_size, where, block)
         return
     batching.widen(current, new, rows, k.batch_size, where, build=False)  # the checks only
     part.pieces[rows] = new

@@ -34,6 +34,9 @@ _SAME_CHILDREN = frozenset({"list", "tuple", "iter"})
 # and those whose result holds the children in another order (indexing it may give any of them)
 _REORDERED = frozenset({"reversed", "sorted"})
 _SEQ = "<seq>"  # a pattern's last part for some of its children in some order (a slice)
+_STD = ("<std>",)  # the pattern of ``m.std`` (then "layers", a layer, as a module path grows)
+STD_MODEL_POINTS = frozenset({"embed", "final_norm", "logits"})
+STD_LAYER_POINTS = frozenset({"resid_in", "attn_out", "mlp_out", "resid_out"})
 _MAX_DEPTH = 16  # longer patterns come from a loop that walks down the tree: not followed
 _FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -46,6 +49,8 @@ class Footprint:
 
     locations: frozenset[tuple[Pattern, str | None]]
     aliases: frozenset[str]
+    #: points of the standard view: (layer number, or None for any, point name)
+    standard: frozenset[tuple[int | None, str]] = frozenset()
 
     def modules(self, paths: Iterable[str]) -> dict[str, set[str | None]]:
         """The module paths among ``paths`` each pattern matches, with the kinds named at each."""
@@ -110,6 +115,7 @@ class _Reader:
         self.env: dict[str, set[Pattern]] = {root: {()}}
         self.locations: set[tuple[Pattern, str | None]] = set()
         self.aliases: set[str] = set()
+        self.standard: set[tuple[int | None, str]] = set()
         self.parents: dict[ast.AST, ast.AST] = {}
         for parent in ast.walk(fn):
             for child in ast.iter_child_nodes(parent):
@@ -132,7 +138,7 @@ class _Reader:
                 and self.nodes(expr)
             ):
                 self._check_use(expr)
-        return Footprint(frozenset(self.locations), frozenset(self.aliases))
+        return Footprint(frozenset(self.locations), frozenset(self.aliases), frozenset(self.standard))
 
     # --- what an expression is -------------------------------------------------------------------
 
@@ -147,6 +153,11 @@ class _Reader:
             if not base:
                 return set()
             name = e.attr
+            if name == "std" and () in base:
+                return {_STD}
+            std = {p for p in base if p and p[0] == _STD[0]}
+            if std:
+                return self._standard(std, name)
             if name in KINDS:
                 self.locations.update((p, name) for p in base)
                 return set()
@@ -186,6 +197,17 @@ class _Reader:
         if isinstance(e, ast.Starred):
             return self.nodes(e.value)
         return set()
+
+    def _standard(self, base: set[Pattern], name: str) -> set[Pattern]:
+        """``name`` of a standard-view object: a point (recorded), ``layers``, or something else."""
+        for p in base:
+            if p == _STD and name in STD_MODEL_POINTS:
+                self.standard.add((None, name))
+            elif len(p) == 3 and name in STD_LAYER_POINTS:
+                self.standard.add((None if p[2] is None else int(p[2]), name))
+            elif not (p == _STD and name == "layers"):
+                return set()  # an attribute that is no point (its value, or the view's error)
+        return {p + (name,) for p in base if p == _STD and name == "layers"}
 
     def _call(self, e: ast.Call) -> set[Pattern]:
         func = e.func

@@ -22,7 +22,7 @@ from .location import Location
 from .steps import Steps
 
 RESERVED = frozenset(
-    {"output", "input", "inputs", "skip", "steps", "logits", "samples", "path", "module_type"}
+    {"output", "input", "inputs", "skip", "steps", "logits", "samples", "std", "path", "module_type"}
 )
 
 
@@ -124,7 +124,22 @@ class Root(Node):
     def __getattr__(self, name: str) -> Node:
         if name in ("logits", "samples"):  # the property raised (Python then asks here): its error
             self._alias(name)
+        if name == "std":
+            self._standard()
         return super().__getattr__(name)
+
+    @property
+    def std(self) -> Any:
+        """The standard view of the model (:mod:`asyncpp.locations.standard`): the same points,
+        shapes and numbers on every engine and supported architecture."""
+        return self._standard()
+
+    def _standard(self) -> Any:
+        view = self.__dict__.get("_std")
+        if view is None:
+            reason = self.__dict__.get("_std_error", "this engine gives no standard view of its model")
+            raise PathError(f"m.std: {reason}; use the raw module tree (m.<module path>)" + _where())
+        return view
 
     def steps(self, select: int | range | list[int] | None = None) -> Steps:
         """Iterate generation steps: ``async for step in m.steps(): ...`` (all), ``m.steps(range(2,

@@ -24,6 +24,7 @@ from ..kernel.answers import MISS, PARKED, Throw
 from ..kernel.block import Block
 from ..kernel.interleaver import Interleaver
 from ..kernel.traps import KIND_NAMES, WRITE
+from ..kernel.views import ValueView
 from .ownership import LOCAL, Ownership
 from .remote import _UNSET, Lazy, LazyValue, RemoteValue, Resolver, set_resolver
 
@@ -94,7 +95,7 @@ class StageSession(Resolver):
             owner, self.req_of(block), target.key, visit_of(round_, occ), round_, where
         )
         for k in target.keys:
-            value = value[k]
+            value = k.remote(value) if isinstance(k, ValueView) else value[k]
         return value
 
     def publish(self, index: int, kind: int, n: int, value: Any, due: list) -> None:

@@ -20,12 +20,14 @@ from ...kernel.batching import narrow
 from ...kernel.errors import AsyncppError
 from ...kernel.hooks import RunHooks
 from ...kernel.interleaver import Interleaver
+from ...locations import standard
 from ...locations.tree import build_tree
 from ...native import tls
 from ...native.controllers import Controllers
 from ..base import Deferred, Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import ModelThread, run_on_thread
 from ..inputs import InputError, check_prompts, lm_batch, position_ids, tensor_batch, token_rows
+from .views import PRESENTERS
 
 _UNSET = object()
 
@@ -66,12 +68,16 @@ class LocalEngine(Engine):
     :param model: any module; a Hugging Face causal LM also gets ``m.logits`` (its ``lm_head``
         output), string prompts (with ``tokenizer``), padding and ``generate``.
     :param tokenizer: turns string prompts into token ids (optional).
+    :param standard_view: give blocks ``m.std``, the standard view (a causal LM of a family
+        without one fails here, naming what its tree lacks; False runs it with the raw tree only).
     """
 
     supports_grad = True
     supports_streaming = True
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None, *, _cached: bool = False):
+    def __init__(
+        self, model: nn.Module, tokenizer: Any = None, *, standard_view: bool = True, _cached: bool = False
+    ):
         self._model = weakref.ref(model)
         self.tokenizer = tokenizer
         self.is_lm = _is_causal_lm(model)
@@ -81,6 +87,20 @@ class LocalEngine(Engine):
             # lm_head's output, such as Gemma-2's final soft-capping; lm_head.output is the raw one
             aliases["logits"] = ("", "logits")
         self.tree, modules, self.paths = build_tree(model, aliases)
+        if not self.is_lm:
+            standard.attach(self.tree, None, f"{type(model).__name__} is not a causal language model")
+        elif not standard_view:
+            standard.attach(self.tree, None, "this engine was made with standard_view=False")
+        else:
+            try:
+                standard.attach(self.tree, PRESENTERS)
+            except standard.StandardViewError as err:
+                if not _cached:
+                    raise standard.StandardViewError(
+                        f"{err}. LocalEngine(model, standard_view=False) runs it with the raw module "
+                        f"tree only"
+                    ) from None
+                standard.attach(self.tree, None, str(err))  # (a trace given the model itself)
         self._controllers = Controllers(modules)  # builds the native extension on first use
         self._lock = _model_lock(model)  # one run at a time per model, whichever engine
         self._thread = ModelThread(f"asyncpp-model-{type(model).__name__}")
@@ -140,7 +160,7 @@ class LocalEngine(Engine):
         return template
 
     def _execute(self, spec: RunSpec) -> RunOutcome:
-        call, rows, out_rows, batch_size, prompt_len = self._prepare(spec)
+        call, rows, out_rows, batch_size, prompt_len, tokens = self._prepare(spec)
         switch = self.switch
         outcome = RunOutcome([InvokeOutcome() for _ in spec.invokes])
         kernel = Interleaver(
@@ -166,7 +186,11 @@ class LocalEngine(Engine):
                 with kernel.active(), torch.set_grad_enabled(spec.grad):
                     for order, inv in enumerate(spec.invokes):
                         kernel.start(
-                            inv.block(self.tree, *inv.args, **inv.kwargs), order, rows[order], inv.name
+                            inv.block(self.tree, *inv.args, **inv.kwargs),
+                            order,
+                            rows[order],
+                            inv.name,
+                            tokens=tokens[order],
                         )
                     kernel.serve()
                     try:
@@ -205,6 +229,7 @@ class LocalEngine(Engine):
         model = self.model
         prompt_len = 0
         expand = out_factor = 1
+        tokens: list[int | None] = [None] * len(invokes)  # each invoke's longest prompt
         if self.is_lm:
             vocab, positions = _limits(model)
             per = [token_rows(invokes[i].input, self.tokenizer, w) for i, w in zip(given, where)]
@@ -212,6 +237,8 @@ class LocalEngine(Engine):
             for p, w in zip(per, where):
                 check_prompts(p, w, vocab, positions, new_tokens)
             sizes = [len(p) for p in per]
+            for i, p in zip(given, per):
+                tokens[i] = max(len(r) for r in p)
             pad = getattr(model.config, "pad_token_id", None)
             if pad is None:
                 pad = getattr(model.config, "eos_token_id", None) or 0
@@ -253,7 +280,7 @@ class LocalEngine(Engine):
 
         batch_size = sum(sizes) * expand
         if len(given) == 1 and len(invokes) == 1:
-            return call, [None], [None], batch_size, prompt_len
+            return call, [None], [None], batch_size, prompt_len, tokens
         rows: list[tuple[int, int] | None] = [None] * len(invokes)
         out_rows: list[tuple[int, int] | None] = [None] * len(invokes)
         start = 0
@@ -261,7 +288,7 @@ class LocalEngine(Engine):
             rows[i] = (start * expand, (start + n) * expand)
             out_rows[i] = (start * out_factor, (start + n) * out_factor)
             start += n
-        return call, rows, out_rows, batch_size, prompt_len
+        return call, rows, out_rows, batch_size, prompt_len, tokens
 
 
 def _emitter(outcome: RunOutcome, sink: Any):

@@ -28,7 +28,9 @@ import torch
 
 from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError, EngineDeadError
+from ...locations import standard
 from ...locations.footprint import block_footprint
+from ...locations.standard import StandardViewError
 from ...locations.tree import tree_from_paths
 from ...pp.merge import NOT_HERE, merge
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
@@ -38,7 +40,8 @@ from . import console, lifeline
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_block, unpack_outcome
 from .stream import Receiver
-from .taps import TAPS_VERSION, TapPlan, check_patterns
+from .taps import TAPS_VERSION, TapPlan, check_patterns, standard_patterns
+from .views import PRESENTERS
 from .watch import Proc, Watch
 
 WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"
@@ -67,8 +70,11 @@ class VllmEngine(Engine):
         model module by module and every location can be awaited.
     :param taps: module path patterns (``*`` within one name, ``**`` across names) of further
         taps on a compiled or auto engine, besides the default set: every direct child of the
-        compiled model (the embeddings, each decoder layer, the final norm). Taps serve outputs,
-        or a module's first argument for a pattern ending in ``.input``.
+        compiled model (the embeddings, each decoder layer, the final norm) and the attention and
+        MLP of each layer (the standard view's points). Taps serve outputs, or a module's first
+        argument for a pattern ending in ``.input``.
+    :param standard_view: give blocks ``m.std``, the standard view (a model of a family without
+        one fails here, naming what its tree lacks; False runs it with the raw tree only).
     :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
         asyncpp's defaults keep hooks correct: prefix caching and chunked prefill off.
     """
@@ -86,6 +92,7 @@ class VllmEngine(Engine):
         block_budget: float | None = None,
         mode: str | None = None,
         taps: Sequence[str] = (),
+        standard_view: bool = True,
         **vllm_options: Any,
     ):
         default_model = model is None
@@ -101,6 +108,7 @@ class VllmEngine(Engine):
         self.vllm_logs = console.want_logs(vllm_logs)
         _check_budget(block_budget, vllm_options)
         self.block_budget = block_budget
+        self.standard_view = standard_view
         self.mode = _mode(mode, vllm_options.pop("enforce_eager", None))
         patterns = check_patterns(taps)
         if patterns and self.mode == "eager":
@@ -160,6 +168,10 @@ class VllmEngine(Engine):
             raise
         self._stderr = quiet  # forwards vLLM's processes' stderr for as long as they run
         self.tree = tree_from_paths([(p, t) for p, t in entries], ALIASES)
+        if self._taps_info["standard_error"]:  # (and the engine was made with standard_view=False)
+            standard.attach(self.tree, None, self._taps_info["standard_error"])
+        else:
+            standard.attach(self.tree, PRESENTERS)
         info = self._taps_info
         #: the tap set of a compiled engine (module paths), empty on an eager one
         self.taps: list[str] = list(info["taps"])
@@ -167,7 +179,10 @@ class VllmEngine(Engine):
         self._plan = None
         if self.mode == "auto" and info["compiled"]:
             paths = [p for p, _ in entries]
-            self._plan = TapPlan(paths, [t for _, t in entries], info["roots"], patterns)
+            self._plan = TapPlan(
+                paths, [t for _, t in entries], info["roots"], [*standard_patterns(self.tree), *patterns]
+            )
+            self._plan.standard = self.tree.__dict__.get("_std")
         #: seconds vLLM spent compiling the model at start (0 when eager, small from its cache)
         self.compile_seconds = float(info["compile_seconds"])
         #: whether the compiled model came from the compile cache (inductor's) instead of compiling
@@ -230,6 +245,11 @@ class VllmEngine(Engine):
             self._taps_info = (await llm.collective_rpc("asyncpp_taps"))[0]
             if self._taps_info["error"]:
                 raise ValueError(self._taps_info["error"])
+            if self._taps_info["standard_error"] and self.standard_view:
+                raise StandardViewError(
+                    f"{self._taps_info['standard_error']}. VllmEngine(..., standard_view=False) runs "
+                    f"it with the raw module tree only"
+                )
             entries = (await llm.collective_rpc("asyncpp_tree"))[0]
             stats = await llm.collective_rpc("asyncpp_stats")
             await llm.collective_rpc("asyncpp_stream", args=(self._receiver.address,))

@@ -207,6 +207,13 @@ def _match(pat: list[str], parts: list[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and _match(pat[1:], parts[1:])
 
 
+def standard_patterns(tree: Any) -> list[str]:
+    """The taps the standard view needs besides the default set (each layer's attention and
+    MLP), or none for a model without one."""
+    view = tree.__dict__.get("_std")
+    return [] if view is None else view.tap_patterns()
+
+
 class TapPlan:
     """The tap set of one engine: which modules run compiled (only their outputs at taps can be
     served) and which of those are taps. The same on every rank (made from the full tree)."""
@@ -225,6 +232,8 @@ class TapPlan:
         #: whether this step runs eagerly (controllers serve every location; the taps stand aside)
         self.eager_now = False
         self._needs: dict[Footprint, bool] = {}  # needs_eager, per footprint
+        #: the driver's standard view (``m.std``), to find what its points stand for
+        self.standard: Any = None
         self.roots = list(roots)
         self.patterns = list(patterns)
         self._index = index = {p: i for i, p in enumerate(self.paths)}
@@ -297,11 +306,22 @@ class TapPlan:
 
     def _reaches_untapped(self, footprint: Footprint) -> bool:
         index = self._index
-        return any(
+        if any(
             kind is not None and self._refusal(index[path], KIND_CODES[kind]) is not None
             for path, kinds in footprint.modules(self.paths).items()
             for kind in kinds
-        )
+        ):
+            return True
+        if not footprint.standard:
+            return False
+        view = self.standard
+        if view is None:
+            return True
+        try:
+            raw = [loc for layer, point in footprint.standard for loc in view.raw_locations(layer, point)]
+        except Exception:  # a layer number the model does not have: the block's own error
+            return True
+        return any(self._refusal(i, kind) is not None for i, kind in raw)
 
     def refuse(self, index: int, kind: int) -> TapError | None:
         """The error for a wait on (``index``, ``kind``), if this step cannot serve it (the

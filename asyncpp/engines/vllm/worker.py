@@ -35,6 +35,7 @@ from ...kernel.budget import StepBudget
 from ...kernel.errors import AsyncppError
 from ...kernel.hooks import RunHooks
 from ...kernel.interleaver import Interleaver
+from ...locations import standard
 from ...locations.tree import build_tree, tree_from_paths
 from ...native import tls
 from ...native.controllers import Controllers
@@ -47,6 +48,7 @@ from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
 from .packing import pack_outcome, unpack_block
 from .stream import Sender
 from .tensor_parallel import find_shardings
+from .views import PRESENTERS
 
 log = logging.getLogger("asyncpp.vllm")
 
@@ -153,6 +155,12 @@ class WorkerSession:
             ownership, modules = pipeline.ownership, pipeline.modules
             self.local_tree, self.graft_cost = pipeline.local, pipeline.cost
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
+        try:
+            self.std_error: str | None = None
+            standard.attach(self.tree, PRESENTERS)
+        except standard.StandardViewError as err:  # the driver decides whether that is fatal
+            self.std_error = str(err)
+            standard.attach(self.tree, None, self.std_error)
         self.plan = self._tap_plan(model)
         self.eager_requests = 0  # live requests that run their steps eagerly (auto mode)
         self.eager_steps = 0  # steps this worker ran eagerly on a compiled engine
@@ -222,7 +230,8 @@ class WorkerSession:
             return None
         ours = (getattr(config, "additional_config", None) or {}).get(EXTRA_KEY) or {}
         types = [self.tree.find(p).module_type for p in self.paths]
-        plan = taps.TapPlan(self.paths, types, roots, ours.get("taps") or (), auto=bool(ours.get("auto")))
+        patterns = [*taps.standard_patterns(self.tree), *(ours.get("taps") or ())]
+        plan = taps.TapPlan(self.paths, types, roots, patterns, auto=bool(ours.get("auto")))
         # vLLM's compile-cache key: the taps themselves, not the patterns that chose them (so that
         # a pattern naming nothing fails fast, from the cache, and equal tap sets share an entry)
         config.additional_config[EXTRA_KEY] = {"taps": plan.tap_paths, "taps_version": taps.TAPS_VERSION}
@@ -238,6 +247,7 @@ class WorkerSession:
             "error": None if plan is None else plan.error(),
             "compile_seconds": self.warmup_seconds if plan is not None else 0.0,
             "compile_cached": self.compile_cached,
+            "standard_error": self.std_error,
         }
 
     def _serve_points(self, model: Any, sampler: Any, modules: list[Any]) -> None:

@@ -1,0 +1,111 @@
+"""How a vLLM engine presents its values in the standard view (``m.std``).
+
+vLLM runs a step's tokens as one flat batch ``[tokens, ...]``; a block already sees its request's
+rows of it, which the standard view shows as ``[1, tokens, ...]`` (a view). A decoder layer of
+most families returns ``(mlp_out, residual)`` and the next layer (or the final norm) adds the two:
+the residual stream is their sum. To present it as one tensor that in-place edits land in, the
+view moves the sum into ``residual`` and zeroes ``mlp_out``, for the reading request's rows only;
+the next layer then adds zero to the stream, exactly. The logits hold each request's last
+position only: ``[1, 1, vocab]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ...kernel.traps import INPUTS
+from ...kernel.views import ValueView
+from ...locations.standard import Presenters
+
+
+def _as_stream(hidden: Tensor, residual: Tensor | None) -> Tensor:
+    if residual is None:  # the first layer's input, or a family with one stream tensor
+        return hidden.unsqueeze(0)
+    residual.add_(hidden)
+    hidden.zero_()
+    return residual.unsqueeze(0)
+
+
+class FlatTokens(ValueView):
+    """A module's token rows (a tuple's first element: a norm given a residual returns
+    ``(normed, residual)``), as ``[1, tokens, ...]``."""
+
+    __slots__ = ()
+
+    def present(self, value: Any, block: Any) -> Any:
+        if type(value) is tuple:
+            value = value[0]
+        return value.unsqueeze(0)
+
+    def remote(self, value: Any) -> Any:
+        return self.present(value, None)
+
+
+class SplitResidual(ValueView):
+    """A decoder layer's output, ``(mlp_out, residual)`` or one tensor, as the residual stream."""
+
+    __slots__ = ()
+
+    def present(self, value: Any, block: Any) -> Any:
+        if type(value) is tuple:
+            return _as_stream(value[0], value[1])
+        return value.unsqueeze(0)
+
+    def remote(self, value: Any) -> Any:
+        if type(value) is tuple:  # (published after the owner moved the stream: exact)
+            return (value[0] + value[1]).unsqueeze(0)
+        return value.unsqueeze(0)
+
+
+class LayerInput(ValueView):
+    """The first decoder layer's arguments ``(args, kwargs)``, as the residual stream it reads:
+    ``hidden_states`` (and ``residual``, where the family passes one in)."""
+
+    __slots__ = ()
+
+    def present(self, value: Any, block: Any) -> Any:
+        return _as_stream(*_stream_args(value))
+
+    def remote(self, value: Any) -> Any:
+        hidden, residual = _stream_args(value)
+        return (hidden if residual is None else hidden + residual).unsqueeze(0)
+
+
+def _stream_args(value: Any) -> tuple[Tensor, Tensor | None]:
+    args, kwargs = value
+    hidden = kwargs.get("hidden_states")
+    residual = kwargs.get("residual")
+    if hidden is None:
+        # (positions, hidden_states, residual) in most families; (hidden_states,) in GPT-2's
+        first = args[0]
+        if first.dtype.is_floating_point or len(args) == 1:
+            hidden, rest = first, args[1:]
+        else:
+            hidden, rest = args[1], args[2:]
+        if residual is None and rest and isinstance(rest[0], Tensor):
+            residual = rest[0]
+    return hidden, residual
+
+
+class LastPosition(ValueView):
+    """A request's logits row ``[1, vocab]`` (vLLM computes the last position only), as
+    ``[1, 1, vocab]``."""
+
+    __slots__ = ()
+
+    def present(self, value: Any, block: Any) -> Any:
+        return value.unsqueeze(1)
+
+
+PRESENTERS = Presenters(
+    tokens=FlatTokens(),
+    resid_out=SplitResidual(),
+    resid_in=LayerInput(),
+    logits=LastPosition(),
+    resid_in_kind=INPUTS,
+    stream_at_embed=True,
+)
+
+__all__ = ["PRESENTERS", "FlatTokens", "LastPosition", "LayerInput", "SplitResidual"]

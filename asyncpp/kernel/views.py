@@ -1,0 +1,47 @@
+"""Value views: location keys that present the value reached so far in another form.
+
+A :class:`ValueView` sits in a location's keys like an index does (``m.std`` builds locations
+with one). Reading applies :meth:`ValueView.present`, which returns a view of the model's own
+storage, so in-place edits of what a block reads land in the model; writing copies the new value
+into what ``present`` returns. Keys after the view index the presented value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from .errors import WriteError
+
+
+class ValueView:
+    """A presented form of a location's value (subclasses say which form)."""
+
+    __slots__ = ()
+
+    def present(self, value: Any, block: Any) -> Any:
+        """The form a block reads: a view of ``value``'s storage, never a copy (``block`` is the
+        reader; None where no block reads, such as a remote stage's lazy value)."""
+        raise NotImplementedError
+
+    def remote(self, value: Any) -> Any:
+        """The same form computed from the owner's published value on another pipeline stage,
+        with operations a lazy remote value records (no in-place edits)."""
+        return self.present(value, None)
+
+    def write(self, value: Any, new: Any, block: Any, where: str) -> None:
+        """Replace the presented value by ``new``, in place (so the model goes on with it)."""
+        target = self.present(value, block)
+        if not isinstance(new, Tensor):
+            raise WriteError(f"{where}: the replacement must be a tensor, got {type(new).__name__}")
+        if new.shape != target.shape:
+            raise WriteError(
+                f"{where}: the replacement has shape {tuple(new.shape)}, but this invoke's value has "
+                f"shape {tuple(target.shape)}"
+            )
+        if new is not target:
+            target.copy_(new)
+
+
+__all__ = ["ValueView"]
