@@ -643,3 +643,76 @@ def test_streaming_on_vllm(vllm_engine):
     with asyncpp.generate(vllm_engine, max_new_tokens=3, ignore_eos=True) as t:
         h2 = t.invoke("Hello", block)
     assert h2.emitted == got
+
+
+# --- the standard view: one set of blocks, the Hugging Face engine's numbers ------------------------
+
+
+async def std_points(m):
+    """Every standard point of every layer (cloned: later layers edit the stream in place)."""
+    out = {"embed": (await m.std.embed).clone()}
+    for i, layer in enumerate(m.std.layers):
+        for point in ("resid_in", "attn_out", "mlp_out", "resid_out"):
+            out[f"{point}{i}"] = (await getattr(layer, point)).clone()
+    out["final_norm"] = (await m.std.final_norm).clone()
+    out["logits"] = (await m.std.logits).clone()
+    return out
+
+
+async def std_edits(m, vec):
+    (await m.std.layers[1].resid_out)[:, -1] += vec  # in place
+    h = await m.std.layers[2].resid_in  # the same stream, edited above
+    await m.std.layers[2].mlp_out.set(torch.zeros_like(await m.std.layers[2].mlp_out))  # ablation
+    return h[:, -1].clone(), (await m.std.logits)[:, -1].clone()
+
+
+def test_standard_view_matches_hf(vllm_engine, engine):
+    prompts = ["The quick brown fox", "Hi"]  # two lengths: the local engine pads the shorter
+    runs = {}
+    for name, eng in (("hf", engine), ("vllm", vllm_engine)):
+        with asyncpp.trace(eng) as t:
+            runs[name] = [t.invoke(p, std_points) for p in prompts]
+    for hf, vl, p in zip(runs["hf"], runs["vllm"], prompts):
+        a, b = hf.result, vl.result
+        n = len(engine.tokenizer(p, add_special_tokens=False)["input_ids"])
+        assert a.keys() == b.keys()
+        for k in a:
+            if k == "logits":  # vLLM computes the last position only
+                assert a[k].shape == (1, n, 259) and b[k].shape == (1, 1, 259)
+                torch.testing.assert_close(b[k], a[k][:, -1:], rtol=0, atol=ATOL)
+            else:
+                assert a[k].shape == b[k].shape == (1, n, 128), k
+                torch.testing.assert_close(b[k], a[k], rtol=0, atol=ATOL, msg=k)
+        torch.testing.assert_close(b["resid_in1"], b["resid_out0"], rtol=0, atol=0)
+
+
+def test_standard_writes_land_as_on_hf(vllm_engine, engine):
+    vec = torch.linspace(-2.0, 2.0, 128)
+    results = {}
+    for name, eng in (("hf", engine), ("vllm", vllm_engine)):
+        with asyncpp.trace(eng) as t:
+            base = t.invoke("The quick brown fox", std_points)
+            edited = t.invoke("The quick brown fox", std_edits, vec)
+        results[name] = (base.result, edited.result)
+    (base_hf, (h_hf, logits_hf)), (base_vl, (h_vl, logits_vl)) = results["hf"], results["vllm"]
+    torch.testing.assert_close(h_vl, h_hf, rtol=0, atol=ATOL)
+    torch.testing.assert_close(h_vl, base_vl["resid_out1"][:, -1] + vec, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits_vl, logits_hf, rtol=0, atol=ATOL)
+    assert (logits_vl - base_vl["logits"][:, -1]).abs().max() > 0.1  # the edits changed the output
+
+
+def test_standard_generation_steering_as_on_hf(vllm_engine, engine):
+    vec = torch.linspace(3.0, -3.0, 128)
+
+    async def steer(m):
+        async for _ in m.steps():
+            (await m.std.layers[2].resid_out)[:, -1] += vec
+
+    tokens = {}
+    for name, eng in (("hf", engine), ("vllm", vllm_engine)):
+        with asyncpp.generate(eng, max_new_tokens=6) as t:
+            plain = t.invoke("Once upon", None)
+            steered = t.invoke("Once upon", steer)
+        tokens[name] = (plain.tokens[0].tolist(), steered.tokens[0].tolist())
+    assert tokens["vllm"] == tokens["hf"]
+    assert tokens["vllm"][0] != tokens["vllm"][1]  # the steering changed the tokens
