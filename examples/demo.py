@@ -5,10 +5,9 @@ the point is the mechanics). This is what ``make demo`` runs.
     .venv/bin/python examples/demo.py --engine vllm    # the same tour on a vLLM engine (auto mode)
     .venv/bin/python examples/demo.py --engine vllm --mode eager   # vLLM module by module
 
-The blocks are written once for both engines. Two things differ on vLLM (see docs/vllm.md): a
-decoder layer returns ``(mlp_out, residual)`` over the request's token rows ``[tokens, hidden]``
-instead of one ``[rows, seq, hidden]`` tensor, and ``m.logits`` has one row per request (the last
-position only). The small helpers below hide both differences.
+The blocks are written once for both engines, on the standard view ``m.std`` (see
+docs/concepts.md): the residual stream of each layer and the logits mean the same thing, with the
+same shapes, on every engine.
 """
 
 import argparse
@@ -30,50 +29,26 @@ def show(tok, ids):
     return "".join(tok.convert_ids_to_tokens([int(i) for i in ids]))
 
 
-# --- helpers that let one block run on both engines ------------------------------------------------
-
-
-def last_hidden(out):
-    """The residual stream at the last position, ``[rows, hidden]``, from a decoder layer's output."""
-    if isinstance(out, tuple):  # vLLM: (mlp_out, residual), their sum is the layer's output
-        mlp_out, residual = out
-        return (mlp_out[-1:] + residual[-1:]).clone()
-    return out[:, -1].clone()  # local: [rows, seq, hidden]; clone what is kept past the next await
-
-
-def add_at_last(out, vec):
-    """Add ``vec`` to a decoder layer's output at the last position, in place (lands in the model)."""
-    if isinstance(out, tuple):  # vLLM: adding to mlp_out adds to the sum the next layer reads
-        out[0][-1] += vec
-    else:
-        out[:, -1] += vec
-
-
-def next_token_logits(logits):
-    """The logits of the next token, ``[rows, vocab]``."""
-    return logits if logits.dim() == 2 else logits[:, -1]  # vLLM gives the last position only
-
-
 # --- intervention blocks: `m` is the model's location tree; every await waits for the model -------
 
 
 async def last_token_states(m):
-    states = [last_hidden(await layer.output) for layer in m.model.layers]
+    states = [(await layer.resid_out)[:, -1].clone() for layer in m.std.layers]  # clone: kept
     return torch.stack(states, dim=1)  # (rows, layers, hidden)
 
 
 async def steer(m, layer, vec):
-    add_at_last(await m.model.layers[layer].output, vec)  # only this invoke's rows are edited
-    return next_token_logits(await m.logits).softmax(-1)
+    (await m.std.layers[layer].resid_out)[:, -1] += vec  # only this invoke's rows are edited
+    return (await m.std.logits)[:, -1].softmax(-1)
 
 
 async def next_token_probs(m):
-    return next_token_logits(await m.logits).softmax(-1)
+    return (await m.std.logits)[:, -1].softmax(-1)
 
 
 async def steer_generation(m, layer, vec):
     async for _step in m.steps():  # once per generated token; awaits inside refer to that step
-        add_at_last(await m.model.layers[layer].output, vec)
+        (await m.std.layers[layer].resid_out)[:, -1] += vec
 
 
 async def plain_generation(m):
@@ -81,8 +56,8 @@ async def plain_generation(m):
 
 
 async def wrong_order(m):
-    await m.model.layers[3].output
-    await m.model.layers[1].output  # already passed: OrderError at this line
+    await m.std.layers[3].resid_out
+    await m.std.layers[1].resid_out  # already passed: OrderError at this line
 
 
 def block_frame(err, block):

@@ -694,7 +694,7 @@ def test_standard_writes_land_as_on_hf(vllm_engine, engine):
             base = t.invoke("The quick brown fox", std_points)
             edited = t.invoke("The quick brown fox", std_edits, vec)
         results[name] = (base.result, edited.result)
-    (base_hf, (h_hf, logits_hf)), (base_vl, (h_vl, logits_vl)) = results["hf"], results["vllm"]
+    (_, (h_hf, logits_hf)), (base_vl, (h_vl, logits_vl)) = results["hf"], results["vllm"]
     torch.testing.assert_close(h_vl, h_hf, rtol=0, atol=ATOL)
     torch.testing.assert_close(h_vl, base_vl["resid_out1"][:, -1] + vec, rtol=0, atol=ATOL)
     torch.testing.assert_close(logits_vl, logits_hf, rtol=0, atol=ATOL)
