@@ -57,7 +57,8 @@ def hf_ids(tok, text):
 def test_the_default_mode_is_auto_with_the_default_taps(auto):
     assert auto.mode == "auto"
     n = len(auto.tree.model.layers)
-    assert auto.taps == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(n)), "model.norm"]
+    layers = [[f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"] for i in range(n)]
+    assert auto.taps == ["model.embed_tokens", *(p for trio in layers for p in trio), "model.norm"]
     assert auto.compile_seconds > 0
 
 

@@ -29,10 +29,11 @@ def compiled():
     engine.close()
 
 
-def test_the_default_taps_are_every_decoder_layer_the_embeddings_and_the_final_norm(compiled):
+def test_the_default_taps_are_the_layers_their_attention_and_mlp_the_embeddings_and_the_final_norm(compiled):
     assert compiled.mode == "compiled"
     n = len(compiled.tree.model.layers)
-    assert compiled.taps == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(n)), "model.norm"]
+    layers = [[f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"] for i in range(n)]
+    assert compiled.taps == ["model.embed_tokens", *(p for trio in layers for p in trio), "model.norm"]
 
 
 def test_an_untapped_location_fails_its_request_at_the_await(compiled):
