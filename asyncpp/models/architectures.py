@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "gemma2": (
         "Gemma2Config",

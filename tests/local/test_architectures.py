@@ -1,4 +1,4 @@
-"""The local engine on tiny random models of twelve Hugging Face architectures: every invoke's numbers
+"""The local engine on tiny random models of thirteen Hugging Face architectures: every invoke's numbers
 equal its solo run whatever it is batched with, and ``m.logits`` is what the model returns."""
 
 from __future__ import annotations
