@@ -38,7 +38,7 @@ async def on_taps(m):
 
 
 async def on_a_sub_module(m):
-    return (await m.model.layers[1].mlp.output).clone()
+    return (await m.model.layers[1].mlp.down_proj.output)[0].clone()  # (no tap: inside the MLP)
 
 
 async def through_a_helper(m):
@@ -68,7 +68,7 @@ def test_which_blocks_run_eagerly(auto):
 
     async def one_branch_reads_an_attention(m, deep):
         if deep:
-            return await m.model.layers[0].self_attn.output
+            return await m.model.layers[0].self_attn.o_proj.output
         return await m.model.layers[0].output
 
     async def an_input_of_a_tap(m):
@@ -92,7 +92,9 @@ def test_taps_run_compiled_and_the_rest_eagerly_with_hf_numbers(auto, tiny):
     with torch.no_grad():
         ref = model(x, output_hidden_states=True)
     mlp = {}
-    handle = model.model.layers[1].mlp.register_forward_hook(lambda mod, a, o: mlp.setdefault("out", o[0]))
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda mod, a, o: mlp.setdefault("out", o[0])
+    )
     try:
         with torch.no_grad():
             model(x)
@@ -129,8 +131,8 @@ def test_a_write_lands_the_same_in_compiled_and_eager_steps(auto, tiny):
         return (await m.logits).clone()
 
     async def at_the_mlp(m):
-        out = await m.model.layers[2].mlp.output
-        await m.model.layers[2].mlp.output.set(torch.zeros_like(out))
+        out = await m.model.layers[2].mlp.down_proj.output[0]
+        await m.model.layers[2].mlp.down_proj.output[0].set(torch.zeros_like(out))
         return (await m.logits).clone()
 
     before = eager_steps(auto)
@@ -160,7 +162,7 @@ def test_generation_mixes_compiled_and_eager_steps_with_the_same_tokens(auto, ti
 
     async def steer_at_the_mlp(m, vec):
         async for _ in m.steps():
-            out = await m.model.layers[1].mlp.output
+            out, _ = await m.model.layers[1].mlp.down_proj.output
             out[-1] += vec
 
     async def steer_at_the_layer(m, vec):
@@ -190,7 +192,7 @@ def test_generation_mixes_compiled_and_eager_steps_with_the_same_tokens(auto, ti
 
 def test_a_location_reached_by_code_the_source_does_not_show_is_refused_clearly(auto):
     async def by_eval(m):
-        return await eval("m.model.layers[0].mlp.output")  # a path the reading cannot see
+        return await eval("m.model.layers[0].mlp.down_proj.output")  # a path the reading cannot see
 
     async def fine(m):
         return (await m.model.layers[0].output)[0].clone()
@@ -201,6 +203,6 @@ def test_a_location_reached_by_code_the_source_does_not_show_is_refused_clearly(
             good = t.invoke(PROMPT, fine)
             t.invoke(PROMPT, by_eval)
     msg = str(info.value)
-    assert msg.startswith("model.layers.0.mlp.output is not a tap of this VllmEngine (mode='auto')")
-    assert "taps=['model.layers.0.mlp']" in msg and "mode='eager'" in msg
+    assert msg.startswith("model.layers.0.mlp.down_proj.output is not a tap of this VllmEngine (mode='auto')")
+    assert "taps=['model.layers.0.mlp.down_proj']" in msg and "mode='eager'" in msg
     assert good.result.dim() == 2  # the other request ran to its end

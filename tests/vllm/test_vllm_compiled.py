@@ -39,7 +39,7 @@ def test_the_default_taps_are_the_layers_their_attention_and_mlp_the_embeddings_
 def test_an_untapped_location_fails_its_request_at_the_await(compiled):
     async def untapped(m):
         h, r = await m.model.layers[0].output  # a tap
-        return await m.model.layers[1].mlp.output  # not one
+        return await m.model.layers[1].mlp.down_proj.output  # not one
 
     async def fine(m):
         return (await m.model.layers[1].output)[0][-1].clone()
@@ -49,10 +49,14 @@ def test_an_untapped_location_fails_its_request_at_the_await(compiled):
             good = t.invoke(PROMPTS[0], fine)
             t.invoke(PROMPTS[1], untapped)
     msg = str(info.value)
-    assert msg.startswith("model.layers.1.mlp.output is not a tap of this VllmEngine")
-    assert "model.layers.{0..3}" in msg and "taps=['model.layers.1.mlp']" in msg and "mode='eager'" in msg
+    assert msg.startswith("model.layers.1.mlp.down_proj.output is not a tap of this VllmEngine")
+    assert (
+        "model.layers.{0..3}" in msg
+        and "taps=['model.layers.1.mlp.down_proj']" in msg
+        and "mode='eager'" in msg
+    )
     notes = "\n".join(getattr(info.value, "__notes__", ()))
-    assert "test_vllm_compiled.py" in notes and "return await m.model.layers[1].mlp.output" in notes
+    assert "test_vllm_compiled.py" in notes and "return await m.model.layers[1].mlp.down_proj.output" in notes
     assert good.result.dim() == 1  # the other request of the trace ran to its end
     with asyncpp.trace(compiled) as t:  # the engine goes on
         again = t.invoke(PROMPTS[0], fine)
