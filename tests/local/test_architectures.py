@@ -7,18 +7,10 @@ import pytest
 import torch
 
 import asyncpp
-from asyncpp.models.architectures import ARCHITECTURES, build_tiny
+from asyncpp.models.architectures import ARCHITECTURES
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34]]
 EOS = 258
-
-
-@pytest.fixture(scope="module")
-def engines():
-    built = {arch: asyncpp.LocalEngine(build_tiny(arch)) for arch in ARCHITECTURES}
-    yield built
-    for eng in built.values():
-        eng.close()
 
 
 def _layers(m):

@@ -10,18 +10,10 @@ from torch import nn
 
 import asyncpp
 from asyncpp.locations.standard import StandardViewError
-from asyncpp.models.architectures import ARCHITECTURES, build_tiny
+from asyncpp.models.architectures import ARCHITECTURES
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]  # the second is left-padded in a shared trace
 POINTS = ("resid_in", "attn_out", "mlp_out", "resid_out")
-
-
-@pytest.fixture(scope="module")
-def engines():
-    built = {arch: asyncpp.LocalEngine(build_tiny(arch)) for arch in ARCHITECTURES}
-    yield built
-    for eng in built.values():
-        eng.close()
 
 
 def _first(x):

@@ -39,9 +39,6 @@ class FlatTokens(ValueView):
             value = value[0]
         return value.unsqueeze(0)
 
-    def remote(self, value: Any) -> Any:
-        return self.present(value, None)
-
 
 class SplitResidual(ValueView):
     """A decoder layer's output, ``(mlp_out, residual)`` or one tensor, as the residual stream."""
