@@ -112,19 +112,17 @@ class EngineClient:
     def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> Any:
         """``AsyncLLM.generate`` on the engine's loop, its outputs streamed to the caller's loop. The
         request's registered block (if its route attached one) rides in ``extra_args``."""
-        from ..engines.vllm.keys import EXTRA_KEY, ID_KEY, NUM_KEY
+        from ..engines.vllm.keys import EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY, OURS
 
         extra = {
-            k: v
-            for k, v in (getattr(sampling_params, "extra_args", None) or {}).items()
-            if k not in (EXTRA_KEY, ID_KEY, NUM_KEY)
+            k: v for k, v in (getattr(sampling_params, "extra_args", None) or {}).items() if k not in OURS
         }  # a client's vllm_xargs never carry asyncpp's keys
         attach = _ATTACH.get()
         if attach is not None:
             if attach.claimed:  # one request per attached block (checked before: n == 1, one prompt)
                 raise RuntimeError("asyncpp: a block attached to one request was given to a second one")
             attach.claimed = True
-            extra.update({EXTRA_KEY: attach.payload, ID_KEY: attach.aid, NUM_KEY: attach.num})
+            extra.update({EXTRA_KEY: attach.payload, ID_KEY: attach.aid, NUM_KEY: attach.num, LIVE_KEY: True})
         sampling_params.extra_args = extra or None
         return self._stream(prompt, sampling_params, request_id, kwargs, attach)
 
@@ -162,11 +160,15 @@ class EngineClient:
         sink = (lambda _i, value: push(("emit", value))) if attach is not None else None
         stream = engine.open_stream(attach.aid, sink) if attach is not None else None
         finished = False
+        delta = getattr(sp.output_kind, "name", "") == "DELTA"
+        sampled = 0
         try:
             try:
                 async for out in llm.generate(prompt, sp, rid, **kwargs):
-                    if attach is not None:
-                        engine.flush_streams()  # this step's values before its output
+                    if attach is not None and out.outputs:
+                        got = len(out.outputs[0].token_ids)
+                        sampled = sampled + got if delta else got
+                        await engine.caught_up(stream, sampled)  # these steps' values before their output
                     push(("out", out))
                 finished = True
             finally:

@@ -146,6 +146,39 @@ def test_events_carry_tokens_as_they_are_sampled_after_the_steps_values(engine):
     assert_clean(engine)
 
 
+async def big_value_per_step(m):
+    """Emits (step, a 4 MB tensor) at every step: slow to send, so a token could overtake it."""
+    async for step in m.steps():
+        await m.logits
+        asyncpp.emit((step, torch.ones(1_000_000)))
+
+
+@pytest.mark.timeout(180)
+def test_large_values_still_come_before_their_steps_tokens(engine):
+    # each step's token waits for the worker's mark of that step, which follows the step's values
+    # on their own channel (before the marks, about one run in three had a token overtake a value)
+    n = 12
+
+    async def main():
+        async with asyncpp.generate(engine, max_new_tokens=n, ignore_eos=True) as t:
+            a = t.invoke("Hello there", big_value_per_step)
+            plain = t.invoke("The cat sat")
+            events = [ev async for ev in t.events()]
+        return a, plain, events
+
+    for _ in range(4):
+        a, plain, events = asyncio.run(main())
+        mine = [
+            (ev.kind, ev.value if ev.kind == "tokens" else ev.value[0]) for ev in events if ev.invoke is a
+        ]
+        assert_values_before_their_tokens(mine, n)
+        assert [v for k, v in mine if k == "emit"] == list(range(n))
+        assert [x for ev in events if ev.invoke is plain and ev.kind == "tokens" for x in ev.value] == (
+            plain.tokens[0].tolist()
+        )
+    assert_clean(engine)
+
+
 @pytest.mark.timeout(60)
 def test_sync_with_fills_emitted_with_tensors_and_values_made_after_the_loop(engine):
     async def lens(m):

@@ -37,7 +37,7 @@ from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import await_future
 from ..inputs import InputError, token_rows
 from . import console, lifeline
-from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
+from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .packing import pack_block, unpack_outcome
 from .stream import Receiver
 from .taps import TAPS_VERSION, TapPlan, check_patterns, standard_patterns
@@ -382,11 +382,12 @@ class VllmEngine(Engine):
         """A number for a new request, unique in this engine (pipeline stages key buffers by it)."""
         return next(self._ids)
 
-    def flush_streams(self) -> None:
-        """On the engine's loop: deliver every streamed value already received from the workers.
-        Call it before passing on a request's new output: the values a block emitted in a step
-        were sent before the step's token was sampled, so they then come before it."""
-        self._receiver.drain()
+    async def caught_up(self, stream: Any, tokens: int) -> None:
+        """On the engine's loop: wait until every value the steps that sampled a request's first
+        ``tokens`` tokens emitted is delivered. Await it before passing on the request's new
+        output, so that a step's values come before its token (the request must have been sent
+        live: ``LIVE_KEY`` in its ``extra_args``)."""
+        await self._receiver.caught_up(stream, tokens)
 
     def open_stream(self, aid: str, sink: Callable[[int, Any], None] | None) -> Any:
         """On the engine's loop: follow request ``aid``'s streamed values (``sink(0, value)`` as
@@ -530,6 +531,7 @@ class VllmEngine(Engine):
                     ID_KEY: rid,
                     NUM_KEY: num,
                     **({EAGER_KEY: True} if self.runs_eagerly(inv.block, inv.args, inv.kwargs) else {}),
+                    **({LIVE_KEY: True} if spec.token_sink is not None else {}),
                 },
             )
             for inv, rid, num in zip(invokes, ids, nums)
@@ -554,6 +556,8 @@ class VllmEngine(Engine):
     ) -> RunOutcome:
         from vllm.inputs import tokens_input
 
+        receiver = self._receiver
+
         async def one(i: int, prompt: list[int], sp: Any, rid: str) -> Any:
             final = None
             sent = 0
@@ -562,7 +566,8 @@ class VllmEngine(Engine):
                 if token_sink is not None and out.outputs:
                     ids_now = out.outputs[0].token_ids
                     if len(ids_now) > sent:
-                        self.flush_streams()  # the values emitted before these tokens go first
+                        # the values the steps that sampled these tokens emitted go first
+                        await receiver.caught_up(streams[i], len(ids_now))
                         token_sink(i, [int(x) for x in ids_now[sent:]])
                         sent = len(ids_now)
             return final

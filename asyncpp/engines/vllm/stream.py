@@ -22,6 +22,12 @@ for the request's outcome to be collected.
   collects a request early) and when the driver collects a request it does not hold. One socket is
   FIFO, so once every sender's ``e`` has arrived, all of the request's values have, and the
   request's outcome is known without asking the workers: no round trip between engine steps.
+  ``m``: a step mark, for requests whose caller follows their tokens live: the payload lists
+  ``request id=steps`` (``;``-separated), how many engine steps each request of a step has run,
+  sent once the step's forward and sampling are done. A token reaches the driver through vLLM's
+  engine core, a path of its own, and could overtake the values its step emitted; the driver
+  passes token k on only once step k is marked on every stage (:meth:`Receiver.caught_up`), and
+  the mark, on the same FIFO socket, comes after every value of the step.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import cloudpickle
 from ...pp.merge import NOT_HERE, merge
 from .packing import RemoteBlockError
 
-VALUE, END = "v", "e"
+VALUE, END, MARK = "v", "e", "m"
 
 
 def _header(kind: str, stage: int, n: int, aid: str) -> bytes:
@@ -103,6 +109,14 @@ class Sender:
         self._sock.send_multipart(frames, copy=False)
         self.sent += 1
 
+    def mark(self, marks: list[tuple[str, int]]) -> None:
+        """The step is over for these live requests: ``(request id, steps it has run)``."""
+        if self._sock is None:
+            return
+        payload = ";".join(f"{aid}={steps}" for aid, steps in marks).encode()
+        self._sock.send_multipart([_header(MARK, self.stage, 0, ""), payload], copy=False)
+        self.sent += 1
+
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """Send the ends given inside as one message, at the end (a step's finished requests:
@@ -126,7 +140,9 @@ class Sender:
 class Stream:
     """What the driver holds of one request's values until its outcome is settled."""
 
-    __slots__ = ("sink", "index", "values", "parts", "next", "got", "outcomes", "done", "error")
+    __slots__ = (
+        "sink", "index", "values", "parts", "next", "got", "outcomes", "done", "error", "marked", "waiter",
+    )  # fmt: skip
 
     def __init__(self, sink: Callable[[int, Any], None] | None, index: int, stages: int, done: Any):
         self.sink = sink
@@ -138,6 +154,18 @@ class Stream:
         self.outcomes: list[bytes | None] = [None] * stages  # each stage's packed outcome, at its end
         self.done = done  # an asyncio future: every stage's end has arrived
         self.error: BaseException | None = None  # a value that could not be received
+        self.marked = [0] * stages  # (live) steps each stage has marked done for this request
+        self.waiter: tuple[int, Any] | None = None  # (steps, future): caught_up waits for them
+
+    def caught_up(self, steps: int) -> bool:
+        """Every stage has marked ``steps`` steps done (or ended the request): all the values those
+        steps emitted have been received."""
+        return all(o is not None or m >= steps for o, m in zip(self.outcomes, self.marked))
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and self.caught_up(waiter[0]) and not waiter[1].done():
+            waiter[1].set_result(None)
 
     @property
     def ended(self) -> bool:
@@ -146,28 +174,33 @@ class Stream:
 
 
 class Receiver:
-    """The driver's end: one PULL socket read by a task on the engine's event loop, which hands
-    each value to its request's stream. Create and use on that loop."""
+    """The driver's end: one PULL socket, read on the engine's event loop whenever its file
+    descriptor says messages have come (and by :meth:`drain` before a request's new tokens go on),
+    which hands each value to its request's stream. Create and use on that loop.
+
+    One reader only, in order: a second reader on the same socket (an asyncio task awaiting a
+    message beside :meth:`drain`) could hold a step's value while the step's mark is handled."""
 
     def __init__(self, stages: int):
         import zmq
-        import zmq.asyncio
 
         self.stages = stages
         self.streams: dict[str, Stream] = {}  # asyncpp request id -> its stream
         self.received = 0  # messages (stats)
         self._dir = tempfile.mkdtemp(prefix="asyncpp-")
         self.address = f"ipc://{os.path.join(self._dir, uuid.uuid4().hex[:8])}"
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.address)
-        self._now = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read without waiting
         self._again = zmq.Again
         self._noblock = zmq.NOBLOCK
         self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._read(), name="asyncpp-vllm-stream")
+        # ZMQ's descriptor is edge-triggered: each wake-up reads until nothing is left
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self.drain)
+        self._loop.call_soon(self.drain)
 
     def open(self, aid: str, sink: Callable[[int, Any], None] | None, index: int) -> Stream:
         stream = Stream(sink, index, self.stages, self._loop.create_future())
@@ -184,36 +217,55 @@ class Receiver:
         stream = self.streams.get(aid)
         return stream is not None and stream.ended
 
+    async def caught_up(self, stream: Stream, steps: int, patience: float = 10.0) -> None:
+        """Wait until the request's first ``steps`` steps are marked done on every stage (see the
+        module's ``m`` messages), so that their values are delivered before their tokens. It also
+        takes what has arrived itself, at growing intervals (up to 10 ms), should a wake-up of
+        the reader be missed. Past ``patience`` seconds it stops waiting (the engine's own failure handling sees
+        a dead worker): it never hangs a stream."""
+        self.drain()
+        if stream.caught_up(steps):
+            return
+        future = self._loop.create_future()
+        stream.waiter = (steps, future)
+        deadline = self._loop.time() + patience
+        pause = 0.0005
+        try:
+            while not future.done() and self._loop.time() < deadline:
+                await asyncio.wait((future,), timeout=pause)
+                self.drain()
+                pause = min(pause * 2, 0.01)
+        finally:
+            stream.waiter = None
+
     async def ended(self, streams: list[Stream], patience: float = 30.0) -> None:
         """Wait until every stage's end of these requests has arrived (the workers send it the
         engine step after the request's last output, or when the driver collects it). Messages
         still coming in count as progress; ``patience`` seconds without any is an error, not a
         hang."""
+        self.drain()
         pending = [s.done for s in streams if not s.done.done()]
+        loop = self._loop
+        progress, seen = loop.time(), self.received
         while pending:
-            before = self.received
-            _, still = await asyncio.wait(pending, timeout=patience)
-            pending = list(still)
-            if pending and self.received == before:
+            _, still = await asyncio.wait(pending, timeout=0.1)
+            self.drain()  # (should a wake-up of the reader be missed)
+            pending = [f for f in still if not f.done()]
+            if self.received != seen:
+                progress, seen = loop.time(), self.received
+            if pending and loop.time() - progress > patience:
                 raise RuntimeError(
                     f"asyncpp: the end of {len(pending)} request(s) did not arrive from vLLM's workers "
                     f"within {patience:.0f} s of their last output"
                 )
 
-    async def _read(self) -> None:
-        sock = self._sock
-        while True:
-            self._handle(await sock.recv_multipart(copy=True))
-
     def drain(self) -> None:
-        """Take every message already received, now (on the engine's loop): called before a
-        request's new tokens are passed on, so that the values its block emitted in a step (sent
-        before that step's token was sampled) come before the token, whichever of the reader task
-        and vLLM's output handler the loop runs first."""
+        """Take every message already received, now (on the engine's loop)."""
+        sock, again, noblock = self._sock, self._again, self._noblock
         while True:
             try:
-                frames = self._now.recv_multipart(self._noblock, copy=True)
-            except self._again:
+                frames = sock.recv_multipart(noblock, copy=True)
+            except again:
                 return
             self._handle(frames)
 
@@ -226,6 +278,9 @@ class Receiver:
                 pass
 
     def _take(self, kind: str, stage: int, n: int, aid: str, payload: bytes) -> None:
+        if kind == MARK:
+            self._mark(stage, payload)
+            return
         stream = self.streams.get(aid)
         if stream is None:  # a request whose caller has gone (cancelled, dropped): nobody listens
             return
@@ -242,6 +297,7 @@ class Receiver:
                 self._flush(stream, last=True)
                 if not stream.done.done():
                     stream.done.set_result(None)
+            stream.wake()
             return
         stream.got[stage] += 1
         try:
@@ -262,6 +318,15 @@ class Receiver:
         parts[stage] = value
         parts[-1] += 1
         self._flush(stream, last=False)
+
+    def _mark(self, stage: int, payload: bytes) -> None:
+        streams = self.streams
+        for entry in payload.decode().split(";"):
+            aid, _, steps = entry.rpartition("=")
+            stream = streams.get(aid)
+            if stream is not None:
+                stream.marked[stage] = max(stream.marked[stage], int(steps))
+                stream.wake()
 
     def _flush(self, stream: Stream, last: bool) -> None:
         """Pipeline parallel: merge and deliver the values every stage has sent, in order (at the
@@ -295,9 +360,7 @@ class Receiver:
                 pass
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
+        self._loop.remove_reader(self._fd)
         for aid in list(self.streams):
             self.drop(aid)
         self._sock.close(linger=0)

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,7 @@ from ...pp.pulls import PullService
 from ...pp.stage import StageSession
 from . import lifeline, taps
 from .full_model import GraftCost, graft_full_model
-from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, NUM_KEY
+from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .packing import pack_outcome, unpack_block
 from .stream import Sender
 from .tensor_parallel import find_shardings
@@ -82,9 +83,19 @@ class AsyncppWorker(CPUWorker):
         session = self.asyncpp
         session.before_step(scheduler_output)
         if not session.eager_requests or not session.eager_step(scheduler_output):
-            return super().execute_model(scheduler_output, *args, **kwargs)
-        with session.running_eagerly():
-            return super().execute_model(scheduler_output, *args, **kwargs)
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        else:
+            with session.running_eagerly():
+                out = super().execute_model(scheduler_output, *args, **kwargs)
+        if session.live:
+            session.after_forward(scheduler_output, sampled_later=out is None)
+        return out
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().sample_tokens(*args, **kwargs)
+        if self.asyncpp.unmarked:
+            self.asyncpp.mark_step()
+        return out
 
     # --- called by the driver through collective_rpc (between engine steps) ---------------------
 
@@ -121,12 +132,14 @@ class AsyncppWorker(CPUWorker):
 
 
 class _Request:
-    __slots__ = ("aid", "num", "payload", "block", "outcome", "error", "emitted", "eager")
+    __slots__ = ("aid", "num", "payload", "block", "outcome", "error", "emitted", "eager", "live", "steps")
 
-    def __init__(self, aid: str, payload: bytes, num: int = 0, eager: bool = False):
+    def __init__(self, aid: str, payload: bytes, num: int = 0, eager: bool = False, live: bool = False):
         self.aid = aid
         self.num = num
         self.eager = eager  # (auto mode) the steps it is in run eagerly
+        self.live = live  # its caller follows its tokens as they are sampled: each step is marked
+        self.steps = 0  # (live) the steps it has been in
         self.payload = payload
         self.emitted = 0  # values its block has streamed (asyncpp.emit)
         self.block: Block | None = None
@@ -164,6 +177,8 @@ class WorkerSession:
         self.plan = self._tap_plan(model)
         self.eager_requests = 0  # live requests that run their steps eagerly (auto mode)
         self.eager_steps = 0  # steps this worker ran eagerly on a compiled engine
+        self.live = 0  # requests whose caller follows their tokens live (see mark_step)
+        self.unmarked: deque[Any] = deque()  # (live) forwards whose sampling is still to come
         # (op, CPU kernel, compiled-mode method) of the compiled model's vLLM custom ops, once the
         # first eager step has given those modules controllers
         self._eager_ops: list[tuple[Any, Any, Any]] | None = None
@@ -326,8 +341,10 @@ class WorkerSession:
                 continue
             aid = str(extra.get(ID_KEY, new.req_id))
             eager = self.plan is not None and bool(extra.get(EAGER_KEY))
-            self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)), eager)
+            live = bool(extra.get(LIVE_KEY))
+            self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)), eager, live)
             self.eager_requests += eager
+            self.live += live
             self.by_aid[aid] = new.req_id
             prompt = len(new.prompt_token_ids or ())
             scheduled = so.num_scheduled_tokens.get(new.req_id, 0)
@@ -345,6 +362,30 @@ class WorkerSession:
                     self._finish(rid)
         if self.stage is not None:
             self.stage.serve()  # a serve point: the previous round has been sent on
+
+    def after_forward(self, so: Any, sampled_later: bool) -> None:
+        """(Live requests only) the step's forward is done: mark it now, or after its sampling
+        (``sample_tokens``), where blocks may still run and emit."""
+        self.unmarked.append(so)
+        if not sampled_later:
+            self.mark_step()
+
+    def mark_step(self) -> None:
+        """Tell the driver, on the stream channel, how many steps each live request of the oldest
+        unmarked step has run: everything those steps emitted was sent before, on the same FIFO
+        socket, so the driver passes a token on only once the step that sampled it is marked.
+        (Emitted values travel on a socket of their own, the tokens through vLLM's engine core;
+        without the mark a token could overtake its step's values.)"""
+        so = self.unmarked.popleft()
+        requests = self.requests
+        marks = []
+        for rid in so.num_scheduled_tokens:
+            req = requests.get(rid)
+            if req is not None and req.live:
+                req.steps += 1
+                marks.append((req.aid, req.steps))
+        if marks:
+            self.sender.mark(marks)
 
     def _on_step(self, step: int) -> list[Block]:
         """At the start of each forward: every request's rows, and its block started if new."""
@@ -450,6 +491,7 @@ class WorkerSession:
     def _finish_block(self, rid: str) -> bytes:
         req = self.requests.pop(rid)
         self.eager_requests -= req.eager
+        self.live -= req.live
         self.by_aid.pop(req.aid, None)
         block = req.block
         if block is None:
