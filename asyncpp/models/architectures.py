@@ -8,6 +8,7 @@ check that what asyncpp computes matches plain Hugging Face runs on every family
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 _COMMON: dict[str, Any] = {
@@ -59,8 +60,9 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def tiny_config(arch: str) -> Any:
-    """The config of the tiny model of family ``arch`` (a key of :data:`ARCHITECTURES`)."""
+def tiny_config(arch: str, checkpoint: bool = False) -> Any:
+    """The config of the tiny model of family ``arch`` (a key of :data:`ARCHITECTURES`); with
+    ``checkpoint``, at the sizes of :func:`tiny_checkpoint`."""
     import transformers
 
     try:
@@ -79,17 +81,62 @@ def tiny_config(arch: str) -> Any:
         ):
             values.pop(k)
     values.update(overrides)
+    if checkpoint:
+        values.update(_checkpoint_overrides(arch))
     return getattr(transformers, config_cls)(**values)
 
 
-def build_tiny(arch: str, seed: int = 0) -> Any:
-    """A tiny random model of family ``arch``, in eval mode, float32, from a fixed seed."""
+# what vLLM's CPU kernels need on top (head size 32, MoE hidden sizes a multiple of 32): the sizes
+# of the checkpoints :func:`tiny_checkpoint` saves for vLLM
+CHECKPOINT_SIZES: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_position_embeddings": 512,
+}
+
+
+def _checkpoint_overrides(arch: str) -> dict[str, Any]:
+    if arch == "gpt2":
+        return {"n_embd": 128, "n_inner": 256, "n_positions": 512}
+    overrides = dict(CHECKPOINT_SIZES)
+    if "head_dim" in ARCHITECTURES[arch][2]:
+        overrides["head_dim"] = 32
+    if arch.startswith("gemma"):  # vLLM's Gemma models always tie the head to the embeddings
+        overrides["tie_word_embeddings"] = True
+    return overrides
+
+
+def build_tiny(arch: str, seed: int = 0, checkpoint: bool = False) -> Any:
+    """A tiny random model of family ``arch``, in eval mode, float32, from a fixed seed. With
+    ``checkpoint``, at the sizes of :func:`tiny_checkpoint` (the very model that folder holds)."""
     import torch
     import transformers
 
-    config = tiny_config(arch)
+    config = tiny_config(arch, checkpoint)
     model_cls = getattr(transformers, ARCHITECTURES[arch][1])
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_cls(config)
     return model.float().eval()
+
+
+def tiny_checkpoint(arch: str, seed: int = 0) -> Path:
+    """A folder holding the tiny model of family ``arch`` at vLLM's sizes (see
+    :data:`CHECKPOINT_SIZES`) and the embedded byte-level tokenizer, saved with
+    ``save_pretrained`` (float32) under asyncpp's cache and built there on first use: what a
+    ``VllmEngine`` loads (``asyncpp.VllmEngine(tiny_checkpoint("qwen2"), dtype="float32")``)."""
+    from .tiny import cached_folder
+
+    def build(path: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from .tiny import _tokenizer
+
+        hf_logging.disable_progress_bar()
+        build_tiny(arch, seed, checkpoint=True).save_pretrained(path)
+        _tokenizer().save_pretrained(path)
+
+    tiny_config(arch)  # (an unknown family fails here, with the known ones)
+    return cached_folder(
+        f"tiny-{arch}", [arch, seed, _checkpoint_overrides(arch), ARCHITECTURES[arch]], build
+    )

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,26 @@ def _cache_root() -> Path:
 def tiny_model_dir(config: dict[str, Any] | None = None, seed: int = SEED) -> Path:
     """The folder of the tiny model (built there on first use)."""
     cfg = dict(TINY_CONFIG, **(config or {}))
-    key = hashlib.sha256(json.dumps([cfg, seed, 1], sort_keys=True).encode()).hexdigest()[:12]
-    path = _cache_root() / f"tiny-llama-{key}"
+    return cached_folder("tiny-llama", [cfg, seed, 1], lambda path: _build(path, cfg, seed))
+
+
+def cached_folder(prefix: str, key: Any, build: Callable[[Path], None]) -> Path:
+    """``<cache>/<prefix>-<hash of key>``, made by ``build(folder)`` on first use: built in a
+    folder of its own and renamed, so that concurrent builders (vLLM's workers, parallel tests)
+    never see half a checkpoint."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    path = _cache_root() / f"{prefix}-{digest}"
     with _lock:
         if not (path / "config.json").exists():
-            _build(path, cfg, seed)
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp.mkdir(parents=True, exist_ok=True)
+            build(tmp)
+            try:
+                tmp.rename(path)
+            except OSError:  # another process built it first
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -55,20 +71,12 @@ def _build(path: Path, cfg: dict[str, Any], seed: int) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**cfg, torch_dtype="float32"))
-    model.save_pretrained(tmp)
-    _tokenizer().save_pretrained(tmp)
-    try:
-        tmp.rename(path)
-    except OSError:  # another process built it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
 
 
 def _tokenizer():

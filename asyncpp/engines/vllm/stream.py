@@ -262,6 +262,8 @@ class Receiver:
     def drain(self) -> None:
         """Take every message already received, now (on the engine's loop)."""
         sock, again, noblock = self._sock, self._again, self._noblock
+        if sock.closed:  # (a wake-up that was already scheduled when the engine closed)
+            return
         while True:
             try:
                 frames = sock.recv_multipart(noblock, copy=True)

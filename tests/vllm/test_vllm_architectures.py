@@ -1,0 +1,103 @@
+"""The standard view (``m.std``) on vLLM, one tiny checkpoint of each architecture: the same blocks,
+unchanged, give Hugging Face's numbers (reads, in-place and replacing writes, generation steering).
+
+One eager engine per architecture, alive only for that architecture's tests (parametrized at
+module scope, so engines start one after another).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import asyncpp
+from asyncpp.models import build_tiny, tiny_checkpoint
+
+pytest.importorskip("vllm")
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "mixtral", "qwen2_moe"]
+ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    """(Hugging Face engine, vLLM engine) on the same tiny checkpoint of one architecture."""
+    path = tiny_checkpoint(request.param)
+    hf = asyncpp.LocalEngine(build_tiny(request.param, checkpoint=True), AutoTokenizer.from_pretrained(path))
+    vl = asyncpp.VllmEngine(path, dtype="float32", mode="eager")
+    yield hf, vl
+    vl.close()
+    hf.close()
+
+
+async def std_points(m):
+    """Every standard point of every layer (cloned: later layers edit the stream in place)."""
+    out = {"embed": (await m.std.embed).clone()}
+    for i, layer in enumerate(m.std.layers):
+        for point in ("resid_in", "attn_out", "mlp_out", "resid_out"):
+            out[f"{point}{i}"] = (await getattr(layer, point)).clone()
+    out["final_norm"] = (await m.std.final_norm).clone()
+    out["logits"] = (await m.std.logits).clone()
+    return out
+
+
+async def std_edits(m, vec):
+    """An in-place steer of layer 0's output, then layer 1's MLP replaced by zeros."""
+    (await m.std.layers[0].resid_out)[:, -1] += vec
+    h = (await m.std.layers[1].resid_in)[:, -1].clone()  # the same stream, edited above
+    await m.std.layers[1].mlp_out.set(torch.zeros_like(await m.std.layers[1].mlp_out))
+    return h, (await m.std.logits)[:, -1].clone()
+
+
+def both(pair, *invokes):
+    """Each invoke's result on the Hugging Face engine, then on vLLM."""
+    out = []
+    for eng in pair:
+        with asyncpp.trace(eng) as t:
+            handles = [t.invoke(PROMPT, *inv) for inv in invokes]
+        out.append([h.result for h in handles])
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_every_point_reads_as_on_hf(pair):
+    (a,), (b,) = both(pair, (std_points,))
+    n = a["embed"].shape[1]
+    assert a.keys() == b.keys() and a["embed"].shape == (1, n, 128)
+    assert a["logits"].shape == (1, n, 259) and b["logits"].shape == (1, 1, 259)  # vLLM: last only
+    for k in a:
+        expected = a[k][:, -1:] if k == "logits" else a[k]
+        assert b[k].shape == expected.shape, k
+        torch.testing.assert_close(b[k], expected, rtol=0, atol=ATOL, msg=k)
+    assert b["logits"][0, -1].argmax() == a["logits"][0, -1].argmax()
+    torch.testing.assert_close(b["resid_in1"], b["resid_out0"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_writes_land_as_on_hf(pair):
+    vec = torch.linspace(-2.0, 2.0, 128)
+    (base, (h_hf, logits_hf)), (base_vl, (h_vl, logits_vl)) = both(pair, (std_points,), (std_edits, vec))
+    torch.testing.assert_close(h_vl, h_hf, rtol=0, atol=ATOL)
+    torch.testing.assert_close(h_vl, base_vl["resid_out0"][:, -1] + vec, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits_vl, logits_hf, rtol=0, atol=ATOL)
+    assert (logits_vl - base_vl["logits"][:, -1]).abs().max() > 0.05  # the edits changed the output
+
+
+@pytest.mark.timeout(240)
+def test_generation_steering_as_on_hf(pair):
+    vec = torch.linspace(3.0, -3.0, 128) * 4
+
+    async def steer(m):
+        async for _ in m.steps():
+            (await m.std.layers[1].resid_out)[:, -1] += vec
+
+    tokens = []
+    for eng in pair:
+        with asyncpp.generate(eng, max_new_tokens=5) as t:
+            plain = t.invoke(PROMPT, None)
+            steered = t.invoke(PROMPT, steer)
+        tokens.append((plain.tokens[0].tolist(), steered.tokens[0].tolist()))
+    assert tokens[1] == tokens[0]
+    assert tokens[1][0] != tokens[1][1]  # the steering changed the tokens
