@@ -1,8 +1,8 @@
 """The standard view (``m.std``) on vLLM, one tiny checkpoint of each architecture: the same blocks,
 unchanged, give Hugging Face's numbers (reads, in-place and replacing writes, generation steering).
 
-One eager engine per architecture, alive only for that architecture's tests (parametrized at
-module scope, so engines start one after another).
+One eager engine per cell (architecture, tensor-parallel size), alive only for that cell's tests
+(parametrized at module scope, so engines start one after another).
 """
 
 from __future__ import annotations
@@ -17,16 +17,20 @@ from asyncpp.models import build_tiny, tiny_checkpoint
 pytest.importorskip("vllm")
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "mixtral", "qwen2_moe"]
+# (architecture, tensor-parallel size): every architecture at PP=1, and TP=2 on a MoE with a shared
+# expert (partial sums) and on Gemma-2 (its vocabulary-parallel embedding is also its head)
+CELLS = [(arch, 1) for arch in ARCHS] + [("qwen2_moe", 2), ("gemma2", 2)]
 ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=CELLS, ids=[f"{a}-tp{tp}" for a, tp in CELLS])
 def pair(request):
     """(Hugging Face engine, vLLM engine) on the same tiny checkpoint of one architecture."""
-    path = tiny_checkpoint(request.param)
-    hf = asyncpp.LocalEngine(build_tiny(request.param, checkpoint=True), AutoTokenizer.from_pretrained(path))
-    vl = asyncpp.VllmEngine(path, dtype="float32", mode="eager")
+    arch, tp = request.param
+    path = tiny_checkpoint(arch)
+    hf = asyncpp.LocalEngine(build_tiny(arch, checkpoint=True), AutoTokenizer.from_pretrained(path))
+    vl = asyncpp.VllmEngine(path, dtype="float32", mode="eager", tensor_parallel_size=tp)
     yield hf, vl
     vl.close()
     hf.close()
