@@ -77,3 +77,14 @@ def assert_values_before_their_tokens(events, steps: int) -> None:
             assert kind == "tokens" and value, (kind, value)
             delivered += len(value)
     assert step == steps and delivered == steps, (step, delivered, events)
+
+
+async def std_points(m):
+    """Every standard point (``m.std``) of every layer (cloned: later layers edit the stream in place)."""
+    out = {"embed": (await m.std.embed).clone()}
+    for i, layer in enumerate(m.std.layers):
+        for point in ("resid_in", "attn_out", "mlp_out", "resid_out"):
+            out[f"{point}{i}"] = (await getattr(layer, point)).clone()
+    out["final_norm"] = (await m.std.final_norm).clone()
+    out["logits"] = (await m.std.logits).clone()
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import std_points
 from transformers import AutoTokenizer
 
 import asyncpp
@@ -34,17 +35,6 @@ def pair(request):
     yield hf, vl
     vl.close()
     hf.close()
-
-
-async def std_points(m):
-    """Every standard point of every layer (cloned: later layers edit the stream in place)."""
-    out = {"embed": (await m.std.embed).clone()}
-    for i, layer in enumerate(m.std.layers):
-        for point in ("resid_in", "attn_out", "mlp_out", "resid_out"):
-            out[f"{point}{i}"] = (await getattr(layer, point)).clone()
-    out["final_norm"] = (await m.std.final_norm).clone()
-    out["logits"] = (await m.std.logits).clone()
-    return out
 
 
 async def std_edits(m, vec):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import ALL_MODES, mode_options, steer_hook
+from helpers import ALL_MODES, mode_options, std_points, steer_hook
 
 import asyncpp
 
@@ -646,17 +646,6 @@ def test_streaming_on_vllm(vllm_engine):
 
 
 # --- the standard view: one set of blocks, the Hugging Face engine's numbers ------------------------
-
-
-async def std_points(m):
-    """Every standard point of every layer (cloned: later layers edit the stream in place)."""
-    out = {"embed": (await m.std.embed).clone()}
-    for i, layer in enumerate(m.std.layers):
-        for point in ("resid_in", "attn_out", "mlp_out", "resid_out"):
-            out[f"{point}{i}"] = (await getattr(layer, point)).clone()
-    out["final_norm"] = (await m.std.final_norm).clone()
-    out["logits"] = (await m.std.logits).clone()
-    return out
 
 
 async def std_edits(m, vec):
