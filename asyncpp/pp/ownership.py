@@ -10,6 +10,11 @@ of every path:
 * a path real on exactly one stage is owned by that stage;
 * modules every stage builds but only the last one runs on its output path (the logits processor,
   the sampler, and their sub-modules) are claimed by the last stage;
+* a path real on several stages that holds no module owned by one stage (vLLM's Gemma-2, GPT-2,
+  Mixtral and Qwen2-MoE build their embedding and final norm on every stage; a tied embedding is
+  built on the first and the last) runs on one stage only: the stage of the closest stage-owned
+  module before it in index order (the final norm follows the last layer), or the first stage when
+  none comes before it (the embedding);
 * other paths real on several stages (the root, containers) are *local*: every stage serves its own
   visits of them;
 * a path that is a placeholder on some stages and real on none (never happens with vLLM's models)
@@ -87,6 +92,7 @@ class Ownership:
                 owners.append(stages[0])
             else:
                 owners.append(LOCAL)
+        _settle_replicated(entries, real_on, owners)
         return cls(entries, owners, len(reports))
 
     @property
@@ -101,6 +107,24 @@ class Ownership:
         counts = [sum(1 for o in self.owners if o == s) for s in range(self.stages)]
         local = sum(1 for o in self.owners if o == LOCAL)
         return f"stage {stage} of {self.stages}: owned paths per stage {counts}, {local} served everywhere"
+
+
+def _settle_replicated(entries: list[tuple[str, str]], real_on: list[list[int]], owners: list[int]) -> None:
+    """Give a module built on several stages but run on one (it holds no stage-owned module) the
+    stage of the closest stage-owned module before it, or the first stage."""
+    holders = set()  # every ancestor of a stage-owned path
+    for i, owner in enumerate(owners):
+        if owner != LOCAL and len(real_on[i]) == 1:
+            parts = entries[i][0].split(".")
+            holders.update(".".join(parts[:n]) for n in range(len(parts)))
+    before = 0
+    for i, ((path, _), stages) in enumerate(zip(entries, real_on, strict=True)):
+        if owners[i] != LOCAL:
+            if len(stages) == 1:
+                before = owners[i]
+            continue
+        if len(stages) > 1 and path not in holders:
+            owners[i] = before
 
 
 def _same(reports: list[Report]) -> tuple[list[tuple[str, str]], list[list[int]]]:

@@ -108,8 +108,36 @@ def test_ownership_from_grafted_trees():
     assert own.owners[idx["embed"]] == own.owners[idx["layers.1.mlp.2"]] == 0
     assert own.owners[idx["layers.2"]] == own.owners[idx["norm"]] == 1
     assert own.owners[idx["logits_processor"]] == 1
-    assert own.owners[idx[""]] == own.owners[idx["layers"]] == own.owners[idx["tail"]] == LOCAL
+    assert own.owners[idx[""]] == own.owners[idx["layers"]] == LOCAL
+    assert own.owners[idx["tail"]] == 1  # built everywhere, after the last stage's layers
     assert dict(own.entries)["layers.3"] == "Layer"
+
+
+class Replicated(nn.Module):
+    """One stage of a model that, like vLLM's Gemma-2, GPT-2, Mixtral and Qwen2-MoE, builds its
+    embeddings and final norm on every stage but runs them on the first and the last only."""
+
+    def __init__(self, stage: int, stages: int):
+        super().__init__()
+        per = 6 // stages
+        self.embed = nn.Embedding(8, 4)
+        self.pos = nn.Embedding(8, 4)
+        self.layers = nn.ModuleList(
+            [Layer() if stage * per <= i < (stage + 1) * per else PPMissingLayer() for i in range(6)]
+        )
+        self.norm = nn.LayerNorm(4)
+        self.logits_processor = nn.Identity()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_modules_built_on_every_stage_are_owned_by_the_stage_that_runs_them(stages):
+    reports = [report(Replicated(s, stages).named_modules()) for s in range(stages)]
+    own = Ownership.from_reports(reports, union=True)
+    idx = {p: i for i, p in enumerate(own.paths)}
+    assert own.owners[idx["embed"]] == own.owners[idx["pos"]] == 0
+    assert own.owners[idx["norm"]] == own.owners[idx["logits_processor"]] == stages - 1
+    assert own.owners[idx["layers.5.mlp.2"]] == stages - 1
+    assert own.owners[idx[""]] == own.owners[idx["layers"]] == LOCAL
 
 
 def test_stages_with_different_trees_name_the_first_difference():
