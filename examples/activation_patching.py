@@ -1,5 +1,6 @@
-"""Activation patching: copy a layer's last-position hidden state from a clean run into a
-corrupted one, in one batched trace, handing the value between the two invokes with a Slot.
+"""Activation patching: copy the residual stream after a layer, at the last position, from a clean
+run into a corrupted one, in one batched trace, handing the value between the two invokes with a
+Slot. The patched point is ``m.std.layers[i].resid_out``, the same point on every engine.
 
 Patching the final layer makes the corrupted prompt's last-position logits equal the clean ones;
 patching an earlier layer recovers part of the difference (later layers still attend to the
@@ -20,19 +21,19 @@ CORRUPT = "The dog sat on the mat"  # same length: the positions line up
 
 
 async def last_logits(m):
-    return (await m.logits)[:, -1]
+    return (await m.std.logits)[:, -1]
 
 
 async def source(m, layer, slot):
-    out = await m.model.layers[layer].output
+    out = await m.std.layers[layer].resid_out
     slot.set(out[:, -1].clone())  # hand the clean value over (wakes the waiting block at once)
-    return (await m.logits)[:, -1]
+    return (await m.std.logits)[:, -1]
 
 
 async def patched(m, layer, slot):
-    out = await m.model.layers[layer].output
+    out = await m.std.layers[layer].resid_out
     out[:, -1] = await slot  # parks until the clean invoke sets it, within this same visit
-    return (await m.logits)[:, -1]
+    return (await m.std.logits)[:, -1]
 
 
 async def main():
@@ -47,12 +48,12 @@ async def main():
 
     print("patch layer -> |patched - clean|   recovered")
     for layer in range(4):
-        slot = asyncpp.Slot(f"layers.{layer}")
+        slot = asyncpp.Slot(f"std.layers[{layer}].resid_out")
         async with asyncpp.trace(engine) as t:
             src = t.invoke(CLEAN, source, layer, slot)
             dst = t.invoke(CORRUPT, patched, layer, slot)
         left = (dst.result - src.result).norm()
-        print(f"  layers.{layer}        {left:.4f}            {1 - left / gap:6.1%}")
+        print(f"  {layer}                 {left:.4f}            {1 - left / gap:6.1%}")
         if layer == 3:
             exact = torch.allclose(dst.result, src.result, atol=1e-6)
             print(f"final layer patched: logits equal the clean run's: {exact}")

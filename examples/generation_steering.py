@@ -1,8 +1,9 @@
-"""Steering generation: edit the hidden state at every generated token with ``m.steps()``.
+"""Steering generation: edit the residual stream at every generated token with ``m.steps()``.
 
 ``async for step in m.steps()`` runs its body once per generation step (step 0 is the prompt's
 forward); every un-pinned await inside the body refers to that step. The loop ends when generation
-ends, and code after it still runs.
+ends, and code after it still runs. On each generated step ``m.std.layers[i].resid_out`` is
+``[rows, 1, hidden]``: the newest position only (the prompt's forward has all of them).
 
     .venv/bin/python examples/generation_steering.py
 """
@@ -24,7 +25,7 @@ def show(tok, ids):
 async def steer_every_step(m, vec):
     steps = 0
     async for _step in m.steps():
-        out = await m.model.layers[LAYER].output
+        out = await m.std.layers[LAYER].resid_out
         out[:, -1] += vec  # the newest position of this step
         steps += 1
     return steps
@@ -32,7 +33,7 @@ async def steer_every_step(m, vec):
 
 async def steer_some_steps(m, vec, select):
     async for _step in m.steps(select):  # a list or range of step numbers
-        out = await m.model.layers[LAYER].output
+        out = await m.std.layers[LAYER].resid_out
         out[:, -1] += vec
 
 
@@ -45,7 +46,7 @@ async def main():
     model, tok = load_tiny()
     engine = asyncpp.LocalEngine(model, tok)
     target = tok.encode("!", add_special_tokens=False)[0]
-    direction = model.lm_head.weight[target].detach()
+    direction = model.get_output_embeddings().weight[target].detach()  # the unembedding row
     vec = 8.0 * direction / direction.norm()
 
     # three invokes of one prompt, generated together as one batch
@@ -54,7 +55,7 @@ async def main():
         every = t.invoke(PROMPT, steer_every_step, vec)
         later = t.invoke(PROMPT, steer_some_steps, vec, range(5, 10))
 
-    print(f"prompt: {PROMPT!r}, 10 new tokens, steering towards '!' at layers.{LAYER}")
+    print(f"prompt: {PROMPT!r}, 10 new tokens, steering towards '!' at std.layers[{LAYER}].resid_out")
     print(f"  no steering       {show(tok, base.tokens[0])!r}  ({base.result} steps)")
     print(f"  every step        {show(tok, every.tokens[0])!r}  ({every.result} steps)")
     print(f"  steps 5 to 9 only {show(tok, later.tokens[0])!r}")

@@ -1,8 +1,11 @@
 """The same blocks on a vLLM engine split over two pipeline stages and on one stage.
 
-Each stage runs every block. A location another stage owns is a lazy remote value there; the stage
+Each stage runs every block. A point another stage owns is a lazy remote value there; the stage
 that owns it serves it, and the engine merges what the stages return. A value from a stage
-downstream of this one is waited for with ``await asyncpp.pull(...)``.
+downstream of this one is waited for with ``await asyncpp.pull(...)``. The block is written on the
+standard view (``m.std``), so it runs unchanged on one stage, on two, and on a local engine;
+``m.std.unembed`` (the logit lens) is computed on the last stage, which holds the model's head, and
+comes back in the merged result (the other stages can return it, not use it).
 
     .venv/bin/python examples/pipeline_parallel.py
 """
@@ -15,15 +18,17 @@ PROMPT = "The quick brown fox jumps over the"
 
 
 async def read_and_steer(m, vec):
-    first_mlp, first_residual = await m.model.layers[0].output  # stage 0 owns layer 0
-    last = await m.model.layers[3].output  # stage 1 owns layer 3
-    last[0][-1] += vec  # a write on stage 1 (absorbed on stage 0, which does not hold layer 3)
-    logits = await m.logits  # stage 1's; a remote value on stage 0
+    first = (await m.std.layers[0].resid_out)[0, -1].clone()  # stage 0 owns layer 0; kept: cloned
+    last = await m.std.layers[3].resid_out  # stage 1 owns layer 3
+    last[0, -1] += vec  # a write on stage 1 (absorbed on stage 0, which does not hold layer 3)
+    lens = m.std.unembed(last[0, -1])  # the logit lens of the edited stream, computed on stage 1
+    logits = await m.std.logits  # stage 1's [1, 1, vocab]; a remote value on stage 0
     top = await asyncpp.pull(logits.argmax(-1))  # stage 0 waits for stage 1 here
     return {
-        "layer 0 residual": (first_mlp + first_residual)[-1].clone(),
+        "layer 0 residual": first,
+        "layer 3 lens": lens,
         "logits": logits.clone(),
-        "top": int(top[0]),
+        "top": int(top[0, -1]),
     }
 
 
@@ -45,6 +50,8 @@ def main():
     cos = torch.nn.functional.cosine_similarity(a["logits"].flatten(), b["logits"].flatten(), dim=0)
     print(f"same next token: {a['top'] == b['top']}; logits cosine similarity {float(cos):.6f}")
     print(f"layer 0 residual equal: {torch.allclose(a['layer 0 residual'], b['layer 0 residual'])}")
+    lens = all(torch.allclose(r["layer 3 lens"], r["logits"][0, -1], atol=1e-5) for r in (a, b))
+    print(f"the last layer through the logit lens equals the logits, on both: {lens}")
 
 
 if __name__ == "__main__":

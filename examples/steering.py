@@ -1,7 +1,9 @@
-"""Steering: add a vector to one layer's hidden state at the last position, see the logits move.
+"""Steering: add a vector to the residual stream after one layer, at the last position, and see the
+logits move.
 
 The vector points along the unembedding row of a target token, so the target's probability rises.
-Two invokes of the same prompt share one batched forward; the edit lands only in the steered rows.
+Three invokes of the same prompt share one batched forward; the edit lands only in the steered rows.
+The blocks use the standard view (``m.std``), so they run unchanged on a vLLM engine.
 
     .venv/bin/python examples/steering.py
 """
@@ -23,20 +25,20 @@ def show(tok, ids):
 
 
 async def last_logits(m):
-    return (await m.logits)[:, -1]
+    return (await m.std.logits)[:, -1]
 
 
 async def steer(m, vec):
-    out = await m.model.layers[LAYER].output
+    out = await m.std.layers[LAYER].resid_out  # [rows, seq, hidden], a view of the model's stream
     out[:, -1] += vec  # an in-place edit of the awaited tensor lands in the running model
-    return (await m.logits)[:, -1]
+    return (await m.std.logits)[:, -1]
 
 
 async def steer_with_set(m, vec):
     # the same edit as a replacement: `await loc.set(value)` swaps in a new value
-    last = await m.model.layers[LAYER].output[:, -1]
-    await m.model.layers[LAYER].output[:, -1].set(last + vec)
-    return (await m.logits)[:, -1]
+    last = await m.std.layers[LAYER].resid_out[:, -1]
+    await m.std.layers[LAYER].resid_out[:, -1].set(last + vec)
+    return (await m.std.logits)[:, -1]
 
 
 def top(tok, logits, k=5):
@@ -49,7 +51,7 @@ async def main():
     model, tok = load_tiny()
     engine = asyncpp.LocalEngine(model, tok)
     target = tok.encode("!", add_special_tokens=False)[0]
-    direction = model.lm_head.weight[target].detach()
+    direction = model.get_output_embeddings().weight[target].detach()  # the unembedding row
     vec = 8.0 * direction / direction.norm()
 
     async with asyncpp.trace(engine) as t:
@@ -58,7 +60,7 @@ async def main():
         by_set = t.invoke(PROMPT, steer_with_set, vec)
 
     before, after = plain.result[0], steered.result[0]
-    print(f"prompt: {PROMPT!r}; adding 8 x unit(W_U['!']) at layers.{LAYER}, last position")
+    print(f"prompt: {PROMPT!r}; adding 8 x unit(W_U['!']) to std.layers[{LAYER}].resid_out, last position")
     print(f"  top-5 before: {top(tok, before)}")
     print(f"  top-5 after:  {top(tok, after)}")
     p0, p1 = before.softmax(-1)[target], after.softmax(-1)[target]
