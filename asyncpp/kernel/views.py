@@ -26,8 +26,8 @@ class ValueView:
         raise NotImplementedError
 
     def remote(self, value: Any) -> Any:
-        """The same form computed from the owner's published value on another pipeline stage,
-        with operations a lazy remote value records (no in-place edits)."""
+        """The same form computed from the owner's published value on another pipeline stage (given
+        the pulled value when a lazy remote value is forced; no in-place edits)."""
         return self.present(value, None)
 
     def write(self, value: Any, new: Any, block: Any, where: str) -> None:

@@ -12,6 +12,7 @@ interpretability work reads and edits, by layer number, with one meaning and one
     m.std.layers[i].resid_out      residual stream leaving layer i
     m.std.final_norm               the final norm's output
     m.std.logits                   what the model samples from [rows, seq or 1, vocab]
+    m.std.unembed(h)               h decoded as the model decodes its last layer (the logit lens)
 
 Each point is a raw location (a :class:`Layout` per model family says which module) plus a
 :class:`~asyncpp.kernel.views.ValueView` that the engine supplies (:class:`Presenters`): it
@@ -24,6 +25,7 @@ where the family scales them (Gemma), plus position embeddings where it has them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,11 +276,12 @@ class StandardLayers(_Named):
 class StandardView(_Named):
     """``m.std``: the model's standard points (see the module's docstring)."""
 
-    __slots__ = ("layout", "embed", "layers", "final_norm", "logits")
-    _names = MODEL_POINTS
+    __slots__ = ("layout", "embed", "layers", "final_norm", "logits", "head")
+    _names = (*MODEL_POINTS, "unembed")
 
-    def __init__(self, root: Root, layout: Layout, presenters: Presenters):
+    def __init__(self, root: Root, layout: Layout, presenters: Presenters, head: Head | None = None):
         self.layout = layout
+        self.head = None if head is None else head(layout)
         p = presenters
         nodes = list(root.find(layout.layers))
         layers = []
@@ -315,6 +318,15 @@ class StandardView(_Named):
             raise PathError("std.logits: this engine has no logits location for this model" + _where())
         return super().__getattr__(name)
 
+    def unembed(self, hidden: Any) -> Any:
+        """The logits the model gives for residual-stream values ``hidden`` (``[..., hidden]``):
+        its final norm, its head and any final transform (Gemma-2's soft-capping), called plainly
+        on the value the block holds, not as visits of those modules. The logit lens: the last
+        layer's ``resid_out`` unembedded is ``std.logits``."""
+        if self.head is None:
+            raise StandardViewError("std.unembed: this engine cannot call the model's head" + _where())
+        return self.head(hidden)
+
     def tap_patterns(self) -> list[str]:
         """Module path patterns whose outputs the view reads inside a layer (a compiled engine
         taps them by default)."""
@@ -341,15 +353,22 @@ def _raw(loc: StandardLocation) -> Location:
     return Location(loc.index, loc.kind, loc.path, loc.occ, keys)
 
 
-def attach(root: Root, presenters: Presenters | None, error: str | None = None) -> StandardView | None:
-    """Give ``root`` its standard view (``m.std``), built with the engine's presenters; with
-    ``presenters=None``, ``m.std`` raises ``error`` instead. Raises :class:`StandardViewError`
-    when the model's family has no standard view."""
+#: what an engine gives for ``std.unembed``: from the model's layout, the function that decodes
+#: residual-stream values into logits
+Head = Callable[[Layout], Callable[[Any], Any]]
+
+
+def attach(
+    root: Root, presenters: Presenters | None, error: str | None = None, head: Head | None = None
+) -> StandardView | None:
+    """Give ``root`` its standard view (``m.std``), built with the engine's presenters (and its
+    ``head`` for ``std.unembed``); with ``presenters=None``, ``m.std`` raises ``error`` instead.
+    Raises :class:`StandardViewError` when the model's family has no standard view."""
     if presenters is None:
         root.__dict__["_std"] = None
         root.__dict__["_std_error"] = error or "this engine has no standard view of its model"
         return None
-    view = StandardView(root, find_layout(root), presenters)
+    view = StandardView(root, find_layout(root), presenters, head)
     root.__dict__["_std"] = view
     return view
 
@@ -363,6 +382,7 @@ def _node(root: Root, path: str) -> Node | None:
 
 __all__ = [
     "FAMILIES",
+    "Head",
     "Layout",
     "Presenters",
     "StandardLayer",

@@ -246,6 +246,27 @@ class RemoteValue(LazyValue):
         return f"<remote value {self.where} (owned by stage {self.owner}, {state})>"
 
 
+class ElsewhereValue(RemoteValue):
+    """A value only another stage can compute, because it holds what it takes (``m.std.unembed``
+    on a stage without the model's head): that stage returns it in the block's result, but it
+    cannot be pulled."""
+
+    __slots__ = ()
+
+    def __init__(self, owner: int, where: str):
+        super().__init__(owner, -1, -1, -1, -1, where)
+
+    def _pull_now(self) -> None:
+        raise RemoteValueError(self.unavailable())
+
+    def unavailable(self) -> str:
+        return (
+            f"{self.where} is computed on pipeline stage {self.owner} only, which holds what it "
+            f"takes: return it (or values computed from it) from the block, where stage "
+            f"{self.owner}'s value is taken; the other stages cannot use or pull it"
+        )
+
+
 class Lazy(LazyValue):
     """An operation on lazy values, run when the result is forced."""
 

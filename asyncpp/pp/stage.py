@@ -26,7 +26,16 @@ from ..kernel.interleaver import Interleaver
 from ..kernel.traps import KIND_NAMES, WRITE
 from ..kernel.views import ValueView
 from .ownership import LOCAL, Ownership
-from .remote import _UNSET, Lazy, LazyValue, RemoteValue, Resolver, set_resolver
+from .remote import (
+    _UNSET,
+    ElsewhereValue,
+    Lazy,
+    LazyValue,
+    RemoteValue,
+    RemoteValueError,
+    Resolver,
+    set_resolver,
+)
 
 VISIT_CALLS = 4096  # a location's visit = round * VISIT_CALLS + call number within the round
 
@@ -95,7 +104,7 @@ class StageSession(Resolver):
             owner, self.req_of(block), target.key, visit_of(round_, occ), round_, where
         )
         for k in target.keys:
-            value = k.remote(value) if isinstance(k, ValueView) else value[k]
+            value = Lazy(k.remote, (value,), {}) if isinstance(k, ValueView) else value[k]
         return value
 
     def publish(self, index: int, kind: int, n: int, value: Any, due: list) -> None:
@@ -144,6 +153,8 @@ class StageSession(Resolver):
                 if leaf._value is not _UNSET or id(leaf) in seen:
                     continue
                 seen.add(id(leaf))
+                if isinstance(leaf, ElsewhereValue):
+                    raise RemoteValueError(leaf.unavailable())
                 owner, req, key, visit, where = self._address(leaf)
                 handles.append((leaf, self.service.request(owner, req, key, visit, where=where)))
         except Exception:
@@ -216,6 +227,8 @@ class StageSession(Resolver):
         return self._stage
 
     def available(self, leaf: RemoteValue) -> bool:
+        if isinstance(leaf, ElsewhereValue):
+            return False
         if self.outside or leaf.owner < self._stage:
             return True
         current = self.kernel.current

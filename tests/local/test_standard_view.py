@@ -126,6 +126,28 @@ def test_writes_land_where_the_model_reads(engines, arch):
         torch.testing.assert_close(other.result, model(torch.tensor([PROMPTS[0]])).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_unembed_is_the_logit_lens(engines, arch):
+    """``std.unembed`` of the last layer's stream is the model's logits (Gemma-2's soft-capping
+    included), at every position; it runs the head plainly, so the run's own logits are untouched."""
+
+    async def lens(m):
+        per_layer = [m.std.unembed(await layer.resid_out) for layer in m.std.layers]
+        return per_layer, (await m.std.logits).clone()
+
+    async def only_logits(m):
+        return (await m.std.logits).clone()
+
+    with asyncpp.trace(engines[arch]) as t:
+        h = t.invoke(PROMPTS[1], lens)
+        plain = t.invoke(PROMPTS[1], only_logits)
+    per_layer, logits = h.result
+    assert per_layer[-1].shape == logits.shape == (1, 3, 259)
+    torch.testing.assert_close(per_layer[-1], logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(plain.result, logits, rtol=0, atol=1e-5)
+    assert (per_layer[0] - per_layer[-1]).abs().max() > 1e-3
+
+
 def test_generation_steps_have_one_position(engines):
     eng = engines["llama"]
 

@@ -18,20 +18,29 @@ from asyncpp.models import build_tiny, tiny_checkpoint
 pytest.importorskip("vllm")
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "mixtral", "qwen2_moe"]
-# (architecture, tensor-parallel size): every architecture at PP=1, and TP=2 on a MoE with a shared
-# expert (partial sums) and on Gemma-2 (its vocabulary-parallel embedding is also its head)
-CELLS = [(arch, 1) for arch in ARCHS] + [("qwen2_moe", 2), ("gemma2", 2)]
+# (architecture, tensor-parallel size, pipeline-parallel size): every architecture at PP=1; TP=2 on
+# a MoE with a shared expert (partial sums) and on Gemma-2 (its vocabulary-parallel embedding is also
+# its head); PP=2 on Llama (its norm and head on the last stage only) and on families that build
+# their embedding and final norm on every stage; TP=2 x PP=2 on Gemma-2 and Qwen2-MoE
+CELLS = (
+    [(arch, 1, 1) for arch in ARCHS]
+    + [("qwen2_moe", 2, 1), ("gemma2", 2, 1)]
+    + [("llama", 1, 2), ("gpt2", 1, 2), ("mixtral", 1, 2)]
+    + [("gemma2", 2, 2), ("qwen2_moe", 2, 2)]
+)
 ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module", params=CELLS, ids=[f"{a}-tp{tp}" for a, tp in CELLS])
+@pytest.fixture(scope="module", params=CELLS, ids=[f"{a}-tp{tp}-pp{pp}" for a, tp, pp in CELLS])
 def pair(request):
     """(Hugging Face engine, vLLM engine) on the same tiny checkpoint of one architecture."""
-    arch, tp = request.param
+    arch, tp, pp = request.param
     path = tiny_checkpoint(arch)
     hf = asyncpp.LocalEngine(build_tiny(arch, checkpoint=True), AutoTokenizer.from_pretrained(path))
-    vl = asyncpp.VllmEngine(path, dtype="float32", mode="eager", tensor_parallel_size=tp)
+    vl = asyncpp.VllmEngine(
+        path, dtype="float32", mode="eager", tensor_parallel_size=tp, pipeline_parallel_size=pp
+    )
     yield hf, vl
     vl.close()
     hf.close()
@@ -43,6 +52,12 @@ async def std_edits(m, vec):
     h = (await m.std.layers[1].resid_in)[:, -1].clone()  # the same stream, edited above
     await m.std.layers[1].mlp_out.set(torch.zeros_like(await m.std.layers[1].mlp_out))
     return h, (await m.std.logits)[:, -1].clone()
+
+
+async def logit_lens(m):
+    """Every layer's last position decoded by the model's head, and the model's own logits."""
+    lens = [m.std.unembed((await layer.resid_out)[:, -1:]) for layer in m.std.layers]
+    return torch.cat(lens, dim=1), (await m.std.logits)[:, -1:].clone()
 
 
 def both(pair, *invokes):
@@ -77,6 +92,16 @@ def test_writes_land_as_on_hf(pair):
     torch.testing.assert_close(h_vl, base_vl["resid_out0"][:, -1] + vec, rtol=0, atol=ATOL)
     torch.testing.assert_close(logits_vl, logits_hf, rtol=0, atol=ATOL)
     assert (logits_vl - base_vl["logits"][:, -1]).abs().max() > 0.05  # the edits changed the output
+
+
+@pytest.mark.timeout(240)
+def test_the_logit_lens_as_on_hf(pair):
+    ((lens_hf, logits_hf),), ((lens, logits),) = both(pair, (logit_lens,))
+    assert lens.shape == lens_hf.shape and lens.shape[0] == 1 and lens.shape[2] == 259
+    torch.testing.assert_close(lens, lens_hf, rtol=0, atol=ATOL)
+    torch.testing.assert_close(lens[:, -1:], logits, rtol=0, atol=ATOL)  # the last layer: the logits
+    torch.testing.assert_close(lens_hf[:, -1:], logits_hf, rtol=0, atol=ATOL)
+    assert (lens[0, 0] - lens[0, -1]).abs().max() > 0.01  # the layers decode differently
 
 
 @pytest.mark.timeout(240)

@@ -27,7 +27,7 @@ from ...native.controllers import Controllers
 from ..base import Deferred, Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import ModelThread, run_on_thread
 from ..inputs import InputError, check_prompts, lm_batch, position_ids, tensor_batch, token_rows
-from .views import PRESENTERS
+from .views import PRESENTERS, head_of
 
 _UNSET = object()
 
@@ -93,7 +93,7 @@ class LocalEngine(Engine):
             standard.attach(self.tree, None, "this engine was made with standard_view=False")
         else:
             try:
-                standard.attach(self.tree, PRESENTERS)
+                standard.attach(self.tree, PRESENTERS, head=head_of(model))
             except standard.StandardViewError as err:
                 if not _cached:
                     raise standard.StandardViewError(

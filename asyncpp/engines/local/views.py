@@ -9,11 +9,15 @@ router_logits)``) are read at their first element.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
 
 from ...kernel.traps import INPUT
 from ...kernel.views import ValueView
-from ...locations.standard import Presenters
+from ...locations.standard import Layout, Presenters
 
 
 class Tokens(ValueView):
@@ -35,4 +39,24 @@ PRESENTERS = Presenters(
     tokens=Tokens(), resid_out=Tokens(), resid_in=Tokens(), logits=Tokens(), resid_in_kind=INPUT
 )
 
-__all__ = ["PRESENTERS", "Tokens"]
+
+def head_of(model: nn.Module) -> Callable[[Layout], Callable[[Any], Any]]:
+    """``std.unembed`` on a Hugging Face causal LM: its final norm, its ``lm_head`` and the
+    final soft-capping of the families that have one (Gemma-2), as its forward applies them."""
+
+    def build(layout: Layout) -> Callable[[Any], Any]:
+        norm, head = model.get_submodule(layout.norm), model.get_output_embeddings()
+        cap = getattr(model.config, "final_logit_softcapping", None)
+
+        def unembed(hidden: Any) -> Any:
+            logits = head(norm(hidden))
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            return logits
+
+        return unembed
+
+    return build
+
+
+__all__ = ["PRESENTERS", "Tokens", "head_of"]

@@ -33,6 +33,7 @@ from ...locations.footprint import block_footprint
 from ...locations.standard import StandardViewError
 from ...locations.tree import tree_from_paths
 from ...pp.merge import NOT_HERE, merge
+from ...pp.pulls import PullError
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import await_future
 from ..inputs import InputError, token_rows
@@ -632,13 +633,15 @@ class VllmEngine(Engine):
 
     def _outcome(self, packed: list[bytes | None]) -> tuple[Any, BaseException | None]:
         """One request's outcome from every pipeline stage's (sent by TP rank 0 of each): the one
-        stage's, or the stages' results merged; the first stage's error wins."""
+        stage's, or the stages' results merged. The first stage's error wins, except that a
+        failed pull loses to the error that ended the request on the stage it pulled from."""
         if len(packed) == 1:
             return unpack_outcome(packed[0])
         stages = [unpack_outcome(p) for p in packed]
-        for _result, error in stages:
-            if error is not None:
-                return None, error
+        errors = [error for _, error in stages if error is not None]
+        if errors:
+            causes = [e for e in errors if not isinstance(e, PullError)]
+            return None, (causes or errors)[0]
         merged = merge([r for r, _ in stages])
         return (None if merged is NOT_HERE else merged), None
 

@@ -11,13 +11,15 @@ position only: ``[1, 1, vocab]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...kernel.traps import INPUTS
 from ...kernel.views import ValueView
-from ...locations.standard import Presenters
+from ...locations.standard import Layout, Presenters
+from ...pp.remote import ElsewhereValue, is_lazy
 
 
 def _as_stream(hidden: Tensor, residual: Tensor | None) -> Tensor:
@@ -105,4 +107,32 @@ PRESENTERS = Presenters(
     stream_at_embed=True,
 )
 
-__all__ = ["PRESENTERS", "FlatTokens", "LastPosition", "LayerInput", "SplitResidual"]
+
+def head_of(model: nn.Module) -> Callable[[Layout], Callable[[Any], Any]]:
+    """``std.unembed`` on a vLLM worker: the final norm, then the model's own ``compute_logits``
+    (the head, gathered across tensor-parallel ranks, cut to the vocabulary, soft-capped where the
+    family does). Only the last pipeline stage holds them: on the others it gives a value that the
+    last stage returns in the block's result."""
+
+    def build(layout: Layout) -> Callable[[Any], Any]:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if not pp.is_last_rank:
+            last = pp.world_size - 1
+            return lambda hidden: ElsewhereValue(last, "std.unembed(...)")
+        norm = model.get_submodule(layout.norm)
+
+        def unembed(hidden: Any) -> Any:
+            if is_lazy(hidden):  # an upstream stage's value: pulled here, where the head is
+                hidden = hidden.force()
+            shape = hidden.shape
+            logits = model.compute_logits(norm(hidden.reshape(-1, shape[-1])))
+            return logits.reshape(*shape[:-1], logits.shape[-1])
+
+        return unembed
+
+    return build
+
+
+__all__ = ["PRESENTERS", "head_of", "FlatTokens", "LastPosition", "LayerInput", "SplitResidual"]

@@ -49,7 +49,7 @@ from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .packing import pack_outcome, unpack_block
 from .stream import Sender
 from .tensor_parallel import find_shardings
-from .views import PRESENTERS
+from .views import PRESENTERS, head_of
 
 log = logging.getLogger("asyncpp.vllm")
 
@@ -170,7 +170,7 @@ class WorkerSession:
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
         try:
             self.std_error: str | None = None
-            standard.attach(self.tree, PRESENTERS)
+            standard.attach(self.tree, PRESENTERS, head=head_of(model))
         except standard.StandardViewError as err:  # the driver decides whether that is fatal
             self.std_error = str(err)
             standard.attach(self.tree, None, self.std_error)
