@@ -34,6 +34,7 @@ from .kernel.grad import backward
 from .kernel.slot import Slot, SlotError
 from .kernel.traps import Gather
 from .locations.location import Location
+from .locations.standard import StandardViewError
 from .native import NativeBuildError, TLSBuildError
 from .pp.merge import NOT_HERE, RankDivergenceWarning
 from .pp.pulls import PullError, PullTimeout
@@ -87,6 +88,7 @@ __all__ = [
     "PullTimeout",
     "RankDivergenceWarning",
     "RemoteValueError",
+    "StandardViewError",
     "Slot",
     "StreamEvent",
     "SlotError",

@@ -37,6 +37,12 @@ async def last_token_states(m):
     return torch.stack(states, dim=1)  # (rows, layers, hidden)
 
 
+async def logit_lens(m):
+    """Each layer's last-token stream decoded as the model decodes its last layer."""
+    lens = [m.std.unembed((await layer.resid_out)[:, -1]) for layer in m.std.layers]
+    return torch.stack(lens, dim=1).softmax(-1)  # (rows, layers, vocab)
+
+
 async def steer(m, layer, vec):
     (await m.std.layers[layer].resid_out)[:, -1] += vec  # only this invoke's rows are edited
     return (await m.std.logits)[:, -1].softmax(-1)
@@ -103,12 +109,10 @@ async def tour(engine, model, tok, kind):
     norms = h.result[0].norm(dim=-1)
     print("   last-token hidden-state norm per layer:", " ".join(f"{n:.2f}" for n in norms))
 
-    print("2. logit lens (final norm + lm_head applied to each layer's last token)")
-    if kind == "vllm":
-        print("   (on vLLM the block cannot call the model's modules: the lens runs here, on the")
-        print("   hidden states the block returned, with the same checkpoint's weights)")
-    with torch.no_grad():
-        lens = model.lm_head(model.model.norm(h.result[0])).softmax(-1)
+    print("2. logit lens (m.std.unembed: the final norm and head on each layer's last token)")
+    with asyncpp.trace(engine) as t:
+        h = t.invoke(PROMPT, logit_lens)
+    lens = h.result[0]
     print("   top token per layer:", "  ".join(f"{show(tok, [p.argmax()])!r} {p.max():.3f}" for p in lens))
 
     print("3. steering: add a vector towards '!' at layers.2, last position")

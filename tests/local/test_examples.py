@@ -165,9 +165,6 @@ ALLOWED = {
     # naming the raw location); the gradient is read at resid_out's raw location.
     ("attribution_patching.py", "await m.model.layers[i].output.grad"): "std points have no .grad",
     ("attribution_patching.py", "``m.model.layers[i].output.grad``"): "the docstring says why",
-    # demo.py (not converted here) applies the lens in the caller, after the trace, with the local
-    # copy of the model's weights: the same code serves its vLLM run.
-    ("demo.py", "model.lm_head(model.model.norm("): "the lens in the caller, after the trace",
 }
 
 
