@@ -7,9 +7,8 @@ metric, from one forward and one backward pass:
 the corrupted prompt's logit difference between two next tokens, and both prompts run in one
 trace: the clean invoke hands its layer outputs to the corrupted one through slots, and the
 corrupted invoke drives the backward pass and reads each layer's gradient as it arrives. The
-gradient is read at the raw location of the same point, ``m.model.layers[i].output.grad``: on a
-Hugging Face decoder layer that is ``resid_out``, and the standard view's points have no ``.grad``
-yet (``m.std.layers[i].resid_out.grad`` raises an ``AsyncppError`` that names the raw location).
+gradient is read at the same standard point, ``m.std.layers[i].resid_out.grad``, cut to the
+invoke's own tokens like the point's value.
 
 Integrated gradients attribute the metric to the input embeddings: the embeddings
 (``m.std.embed``) are replaced by points on a straight path from a baseline (the corrupted prompt's embeddings) to the
@@ -57,8 +56,7 @@ async def corrupted_run(m, slots, good, bad):
     scores = [None] * len(acts)
     async with asyncpp.backward(metric):
         for i in reversed(range(len(acts))):  # the backward reaches the last layer first
-            # the raw location of std.layers[i].resid_out (std points have no .grad yet)
-            grad = await m.model.layers[i].output.grad
+            grad = await m.std.layers[i].resid_out.grad
             scores[i] = ((clean[i] - acts[i].detach()) * grad).sum(-1)  # per position
     return torch.stack(scores)  # (layers, 1, positions)
 

@@ -27,6 +27,7 @@ from .answers import PARKED, RUN_BACKWARD, Throw
 from .batching import _rebuild, narrow
 from .errors import AsyncppError, NeverReachedError, OrderError, WriteError
 from .traps import BACKWARD, GRAD
+from .views import ValueView
 
 # ------------------------------------------------------------------------------------------------
 # rows inside the graph
@@ -211,11 +212,20 @@ def tensors_of(value: Any) -> list[Tensor]:
 
 def split_keys(value: Any, keys: tuple) -> tuple[Any, tuple]:
     """Follow ``keys`` through containers; return the tensor reached and the keys left (which
-    index that tensor, and so its gradient)."""
-    for i, k in enumerate(keys):
+    index that tensor, and so its gradient). A :class:`~.views.ValueView` key (a standard point)
+    stays for the gradient, past a tuple's first element (the tensor such views present)."""
+    i = 0
+    while i < len(keys):
         if isinstance(value, Tensor):
             return value, keys[i:]
+        k = keys[i]
+        if isinstance(k, ValueView):
+            if not isinstance(value, (tuple, list)) or not value:
+                return value, keys[i:]
+            value = value[0]
+            continue
         value = value[k]
+        i += 1
     return value, ()
 
 
@@ -297,13 +307,27 @@ def on_grad(k: Any, block: Any, wait: GradWait) -> Any:
 def _grad_now(session: Backward, wait: GradWait, gradient: Any, rest: tuple) -> Any:
     """Serve ``wait`` with the gradient arriving now (the value the hook will pass on)."""
     current = gradient if session.replacement is None else session.replacement
+    block = session.block
     if not wait.replace:
-        return batching.get_item(current, rest) if rest else current
+        return batching.get_item(current, rest, block) if rest else current
     where = wait.describe()
     new = wait.value
     if rest:  # a part of the gradient (loc[:, -1].grad): assigned into a copy of it
         current = current.clone()
-        batching.get_item(current, rest[:-1])[rest[-1]] = new
+        part = batching.get_item(current, rest[:-1], block)
+        last = rest[-1]
+        if isinstance(last, ValueView):  # a standard point: the view's part, same shape
+            part = last.present(part, block)
+            if not isinstance(new, torch.Tensor) or new.shape != part.shape:
+                shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                return Throw(
+                    WriteError(
+                        f"{where}: the replacement has shape {shape}, the gradient {tuple(part.shape)}"
+                    )
+                )
+            part.copy_(new)
+        else:
+            part[last] = new
         new = current
     elif not isinstance(new, torch.Tensor) or new.shape != gradient.shape:
         shape = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__

@@ -171,13 +171,6 @@ class StandardLocation(Location):
     def __getitem__(self, key: Any) -> StandardLocation:
         return StandardLocation(self.index, self.kind, self.path, self.occ, (*self.keys, key), self.label)
 
-    @property
-    def grad(self) -> Any:
-        raise AsyncppError(
-            f"{self.label}.grad: gradients are read at raw locations for now; await "
-            f"{_raw_name(self)}.grad instead"
-        )
-
     def describe(self) -> str:
         name = self.label
         after = False

@@ -160,12 +160,7 @@ RAW = ("m.model.", ".transformer.", "lm_head(", "model.norm(", ".model.layers", 
 RAW_LOGITS = re.compile(r"\bm\.logits\b")  # the raw logits location (std's is m.std.logits)
 
 #: (example, a line's text that may hold one) -> why
-ALLOWED = {
-    # The standard view's points have no .grad yet (StandardLocation.grad raises an AsyncppError
-    # naming the raw location); the gradient is read at resid_out's raw location.
-    ("attribution_patching.py", "await m.model.layers[i].output.grad"): "std points have no .grad",
-    ("attribution_patching.py", "``m.model.layers[i].output.grad``"): "the docstring says why",
-}
+ALLOWED: dict[tuple[str, str], str] = {}  # none at present
 
 
 def test_examples_use_the_standard_view():

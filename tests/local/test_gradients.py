@@ -112,6 +112,31 @@ def test_gradient_replaced_at_one_layer_changes_what_flows_on(tiny, engine, scal
         torch.testing.assert_close(ref, plain * scale, rtol=1e-4, atol=1e-6)
 
 
+def test_standard_points_have_gradients_of_the_invokes_own_tokens(tiny, engine):
+    """``m.std`` points read and replace gradients like raw locations, shown as the point's value
+    is: this invoke's tokens only (no left padding), the same numbers."""
+    model, tok = tiny
+
+    async def block(m):
+        await m.std.layers[1].resid_out
+        h2 = await m.std.layers[2].resid_out
+        loss = (await m.std.logits)[:, -1, TOKEN].sum()
+        async with asyncpp.backward(loss):
+            g2 = await m.std.layers[2].resid_out.grad
+            assert g2.shape == h2.shape
+            await m.std.layers[2].resid_out.grad.set(g2 * 0.5)
+            g1 = await m.std.layers[1].resid_out.grad
+        return g1
+
+    with asyncpp.trace(engine, grad=True) as t:
+        handles = [t.invoke(p, block) for p in PROMPTS[:2]]
+    assert handles[0].result.shape[1] != handles[1].result.shape[1]  # each its own length
+    for p, h in zip(PROMPTS[:2], handles):
+        (ref,) = reference(model, tok, p, [1], scale_at=2, scale=0.5)
+        assert h.result.shape == ref.shape
+        torch.testing.assert_close(h.result, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_with_respect_to_an_edited_and_a_replaced_value(tiny, engine):
     """Edits and replacements are on the graph: the gradient flows through what the model used."""
     model, tok = tiny
