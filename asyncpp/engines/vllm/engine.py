@@ -154,17 +154,20 @@ class VllmEngine(Engine):
         quiet = None if self.vllm_logs else console.StderrFilter()
         before = lifeline.children()
         self._abandoned = threading.Event()
-        start = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        start = None
         try:
             with (
                 console.starting_env(self.vllm_logs, _workers(options)),
                 quiet.redirect() if quiet else contextlib.nullcontext(),
             ):
+                # started inside: vLLM reads its logging level from the environment as it makes
+                # the engine's config, at once when vLLM is already imported
+                start = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
                 self._llm, entries, procs = self._starting(start)
         except BaseException as e:
             progress.done("failed after")
-            if not isinstance(e, Exception):  # interrupted: vLLM's start goes on in the loop thread
-                self._abandon(start, before)
+            if start is not None and not isinstance(e, Exception):  # interrupted: vLLM's start
+                self._abandon(start, before)  # goes on in the loop thread
             self._stop_loop()
             raise
         self._stderr = quiet  # forwards vLLM's processes' stderr for as long as they run
