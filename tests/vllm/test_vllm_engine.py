@@ -679,6 +679,25 @@ def test_standard_view_matches_hf(vllm_engine, engine):
         torch.testing.assert_close(b["resid_in1"], b["resid_out0"], rtol=0, atol=0)
 
 
+async def std_lens(m):
+    lens = [m.std.unembed((await layer.resid_out)[:, -1]) for layer in m.std.layers]
+    return torch.stack(lens, dim=1), (await m.std.logits)[:, -1].clone()
+
+
+def test_standard_logit_lens_matches_hf(vllm_engine, engine):
+    """std.unembed on every layer (in every mode: on a compiled engine the block calls the norm and
+    the head eagerly) gives Hugging Face's lens, and its last layer is the logits."""
+    results = {}
+    for name, eng in (("hf", engine), ("vllm", vllm_engine)):
+        with asyncpp.trace(eng) as t:
+            h = t.invoke("The quick brown fox", std_lens)
+        results[name] = h.result
+    (lens_hf, _), (lens_vl, logits_vl) = results["hf"], results["vllm"]
+    assert lens_vl.shape == lens_hf.shape == (1, 4, 259)
+    torch.testing.assert_close(lens_vl, lens_hf, rtol=0, atol=ATOL)
+    torch.testing.assert_close(lens_vl[:, -1], logits_vl, rtol=0, atol=ATOL)
+
+
 def test_standard_writes_land_as_on_hf(vllm_engine, engine):
     vec = torch.linspace(-2.0, 2.0, 128)
     results = {}
