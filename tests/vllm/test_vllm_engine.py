@@ -698,6 +698,27 @@ def test_standard_logit_lens_matches_hf(vllm_engine, engine):
     torch.testing.assert_close(lens_vl[:, -1], logits_vl, rtol=0, atol=ATOL)
 
 
+def test_standard_logits_hold_the_last_position_and_say_so(vllm_engine):
+    async def whole(m):
+        logits = await m.std.logits
+        logits[:, -1, 7] = 1e4  # in place: the sampler picks token 7
+        return logits, logits[:, 0].argmax(-1)
+
+    async def another_position(m):
+        return (await m.std.logits)[:, 2]
+
+    with asyncpp.trace(vllm_engine) as t:
+        h = t.invoke("The quick brown fox", whole)
+    logits, top = h.result
+    assert type(logits) is torch.Tensor and logits.shape == (1, 1, 259)
+    assert int(top) == 7 and h.tokens.tolist() == [[7]]
+    with pytest.raises(
+        IndexError, match=r"std\.logits\[:, 2\]: vLLM computes the logits of a request's last"
+    ):
+        with asyncpp.trace(vllm_engine) as t:
+            t.invoke("The quick brown fox", another_position)
+
+
 def test_standard_writes_land_as_on_hf(vllm_engine, engine):
     vec = torch.linspace(-2.0, 2.0, 128)
     results = {}

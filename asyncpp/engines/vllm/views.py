@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ...kernel.traps import INPUTS
@@ -90,12 +91,41 @@ def _stream_args(value: Any) -> tuple[Tensor, Tensor | None]:
 
 class LastPosition(ValueView):
     """A request's logits row ``[1, vocab]`` (vLLM computes the last position only), as
-    ``[1, 1, vocab]``."""
+    ``[1, 1, vocab]``: a :class:`LastPositionLogits` view, so that asking for another position
+    says why there is none."""
 
     __slots__ = ()
 
     def present(self, value: Any, block: Any) -> Any:
-        return value.unsqueeze(1)
+        return Tensor._make_subclass(LastPositionLogits, value.unsqueeze(1))
+
+
+class LastPositionLogits(Tensor):
+    """``m.std.logits`` on vLLM: the model's own tensor (a view: edits land), whose indexing at a
+    position other than the last raises an ``IndexError`` that says vLLM computes no other. Every
+    operation on it gives a plain tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __getitem__(self, key: Any) -> Any:
+        _only_last(key)
+        return Tensor.__getitem__(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        _only_last(key)
+        Tensor.__setitem__(self, key, value)
+
+
+def _only_last(key: Any) -> None:
+    if type(key) is not tuple or len(key) < 2 or any(k is Ellipsis for k in key[:2]):
+        return
+    pos = key[1]
+    if isinstance(pos, int) and pos not in (0, -1):
+        raise IndexError(
+            f"std.logits[:, {pos}]: vLLM computes the logits of a request's last position only, so "
+            f"std.logits is [1, 1, vocab] there (index [:, -1]); m.std.unembed(resid) decodes the "
+            f"residual stream of any position"
+        )
 
 
 PRESENTERS = Presenters(
@@ -135,4 +165,12 @@ def head_of(model: nn.Module) -> Callable[[Layout], Callable[[Any], Any]]:
     return build
 
 
-__all__ = ["PRESENTERS", "head_of", "FlatTokens", "LastPosition", "LayerInput", "SplitResidual"]
+__all__ = [
+    "PRESENTERS",
+    "head_of",
+    "FlatTokens",
+    "LastPosition",
+    "LastPositionLogits",
+    "LayerInput",
+    "SplitResidual",
+]
