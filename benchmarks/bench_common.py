@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
@@ -113,3 +114,14 @@ def write_section(section: str, text: str, doc: Path = DOC) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + body
     doc.write_text(new)
+
+
+def tv(a: Any, b: Any) -> float:
+    """Total variation distance of the next-token distributions of logits ``a`` and ``b`` (float64)."""
+    pa, pb = a.double().softmax(-1), b.double().softmax(-1)
+    return float(0.5 * (pa - pb).abs().sum())
+
+
+def max_abs(a: Any, b: Any) -> float:
+    """The largest absolute difference of ``a`` and ``b`` (float64)."""
+    return float((a.double() - b.double()).abs().max())

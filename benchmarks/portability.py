@@ -90,6 +90,7 @@ from typing import Any
 
 import bench_common
 import torch
+from bench_common import max_abs, tv
 
 SECTION = "## Portability (benchmarks/portability.py)"
 
@@ -348,15 +349,6 @@ def run_workloads(engine: Any, ctx: Ctx, where: str) -> tuple[dict[str, Out], di
 
 # ------------------------------------------------------------------------------------------------
 # comparing
-
-
-def tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    pa, pb = a.double().softmax(-1), b.double().softmax(-1)
-    return float(0.5 * (pa - pb).abs().sum())
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
 
 
 @dataclass

@@ -85,6 +85,7 @@ from typing import Any
 import bench_common
 import torch
 import torch.nn.functional as F
+from bench_common import max_abs, tv
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
@@ -344,15 +345,6 @@ def measure(engine: Any, fn: Any, ctx: Ctx, repeats: int) -> Measured:
         nbytes.append(b1 - b0)
         npulls.append(p1 - p0)
     return Measured(outs[0], times[1:], nbytes, npulls)
-
-
-def tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    pa, pb = a.double().softmax(-1), b.double().softmax(-1)
-    return float(0.5 * (pa - pb).abs().sum())
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
 
 
 @dataclass
