@@ -125,3 +125,16 @@ def tv(a: Any, b: Any) -> float:
 def max_abs(a: Any, b: Any) -> float:
     """The largest absolute difference of ``a`` and ``b`` (float64)."""
     return float((a.double() - b.double()).abs().max())
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its live descendants (vLLM's processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total

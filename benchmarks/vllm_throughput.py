@@ -560,19 +560,6 @@ async def profile(r: Runner, res: Results, prompts: list[list[int]], n: int, rou
 # machine info, CPU accounting
 
 
-def _tree_cpu_seconds() -> float:
-    """CPU seconds used so far by this process and its live descendants (vLLM's processes)."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
 def _machine_busy_seconds() -> float:
     """CPU seconds all processes of the machine have used since boot (/proc/stat)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -588,12 +575,12 @@ class CpuMeter:
     all0: float = 0.0
 
     def start(self) -> None:
-        self.t0, self.mine0, self.all0 = perf(), _tree_cpu_seconds(), _machine_busy_seconds()
+        self.t0, self.mine0, self.all0 = perf(), bench_common.tree_cpu_seconds(), _machine_busy_seconds()
 
     def stop(self) -> tuple[float, float, float]:
         """(wall s, cores used by this benchmark's processes, cores used by everything else)."""
         wall = perf() - self.t0
-        mine = (_tree_cpu_seconds() - self.mine0) / wall
+        mine = (bench_common.tree_cpu_seconds() - self.mine0) / wall
         every = (_machine_busy_seconds() - self.all0) / wall
         return wall, mine, max(0.0, every - mine)
 
