@@ -94,6 +94,25 @@ def command_line(script: str) -> str:
     return " ".join([exe_s, script_s, *sys.argv[1:]])
 
 
+def machine_lines(info: dict[str, str]) -> str:
+    """``machine_info()`` as a markdown list."""
+    return "\n".join(f"- {k}: {v}" for k, v in info.items())
+
+
+def verdict(fails: list[str], ok: str = "All checks passed.") -> str:
+    """The closing line of a section: ``ok``, or the failed checks as a list."""
+    return ok if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    return sxy / sxx
+
+
 def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -152,15 +152,6 @@ def run_rounds(variants: list[Variant], rounds: int, inner: int, warmup: int, se
             v.record(batch)
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    return sxy / sxx
-
-
 # Differences, ratios and slopes are taken round by round (each round runs every variant within a
 # fraction of a second) and then the median over rounds is reported: load that comes and goes
 # between rounds cancels out instead of landing on whichever variant it happened to hit.
@@ -180,7 +171,7 @@ def paired_slope(xs: list[float], ys: list[Variant], base: list[Variant] | None 
     out = []
     for r in range(len(ys[0].rounds)):
         vals = [v.rounds[r] - (base[i].rounds[r] if base else 0.0) for i, v in enumerate(ys)]
-        out.append(slope(xs, vals))
+        out.append(bench_common.slope(xs, vals))
     return median(out)
 
 

@@ -790,7 +790,6 @@ def render(
     skipped: list[str],
 ) -> str:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
     what = (
         "One set of blocks, written on the standard view (`m.std`) only, unchanged on every engine "
         "and architecture, against the Hugging Face reference at float32 (tiny random checkpoints, "
@@ -820,7 +819,7 @@ def render(
         wrap(what),
         wrap(how),
         f"Command: `{bench_common.command_line(__file__)}` ({date}; {total_s:.0f} s)",
-        machine,
+        bench_common.machine_lines(info),
         "**Agreement with hf (top-1 / max TV)**",
         agree,
         "**Max abs difference from hf**",
@@ -830,15 +829,12 @@ def render(
     ]
     if skipped:
         parts.insert(4, "Skipped: " + "; ".join(skipped) + ".")
-    parts.append(
-        "All checks passed." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails)
-    )
+    parts.append(bench_common.verdict(fails))
     return "\n\n".join(parts) + "\n"
 
 
 def render_cost(cost_text: str, fails: list[str], info: dict[str, str], args: Any, total_s: float) -> str:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
     parts = [
         COST_SECTION,
         wrap(
@@ -852,9 +848,9 @@ def render_cost(cost_text: str, fails: list[str], info: dict[str, str], args: An
             "the trace's. Extra per read: (median - baseline median) / (invokes x tokens x layers)."
         ),
         f"Command: `{bench_common.command_line(__file__)}` ({date}; {total_s:.0f} s)",
-        machine,
+        bench_common.machine_lines(info),
         cost_text,
-        "All checks passed." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails),
+        bench_common.verdict(fails),
     ]
     return "\n\n".join(parts) + "\n"
 

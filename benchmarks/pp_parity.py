@@ -828,7 +828,7 @@ def render(
         f"logit), and that the last layer's lens reproduces the model's own logits; the {'second' if modes is None else 'last'} table "
         "says what each did."
     )
-    status = "All checks passed." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails)
+    status = bench_common.verdict(fails)
     paras = [
         SECTION,
         wrap(what),

@@ -81,11 +81,6 @@ def quartile(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=4)[0] if len(xs) > 1 else xs[0]
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-
-
 # ------------------------------------------------------------------------------------------------
 # the floor: gloo round trips between two processes
 
@@ -167,8 +162,8 @@ def measure(engine: Any, kinds: dict[str, Any], rounds: int) -> dict[str, dict[s
         out[name] = {
             "median_ms": med,
             "low_ms": low,
-            "median_slope_ms": slope([float(k) for k in KS], [med[k] for k in KS]),
-            "slope_ms": slope([float(k) for k in KS], [low[k] for k in KS]),
+            "median_slope_ms": bench_common.slope([float(k) for k in KS], [med[k] for k in KS]),
+            "slope_ms": bench_common.slope([float(k) for k in KS], [low[k] for k in KS]),
             "increments": [low[KS[i + 1]] - low[KS[i]] for i in range(len(KS) - 1)],
             "bytes_per_pull": statistics.fmean(per_pull),
         }
@@ -244,17 +239,16 @@ def main() -> int:
         ["size", "gloo round trip ms"], [[f"{n} B", f"{t * 1e3:.3f}"] for n, t in floor.items()]
     )
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
     text = "\n\n".join(
         [
             SECTION,
             f"Command: `{bench_common.command_line(__file__)}` ({date}; {perf() - t_start:.0f} s); "
             f"{args.rounds} rounds. The workloads and targets are in the script's docstring.",
-            machine,
+            bench_common.machine_lines(info),
             table,
             "**The floor** (two fresh processes, gloo, a send and a receive of each size, median of 200)",
             floor_table,
-            "All targets met." if not fails else "Failed checks:\n\n" + "\n".join(f"- {f}" for f in fails),
+            bench_common.verdict(fails, "All targets met."),
         ]
     )
     print(text, flush=True)
