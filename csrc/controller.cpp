@@ -60,6 +60,12 @@ PyObject* location_type = nullptr;  // asyncpp's Location class, registered from
 PyObject* block_type = nullptr;     // the interleaver's Block class
 PyObject* wait_type = nullptr;      // the interleaver's Wait class
 PyObject* gate_type = nullptr;      // the kernel's StepGate trap (a step loop's next iteration)
+PyObject* view_type = nullptr;      // the kernel's ValueView (a location key that presents the value)
+PyObject* present_name = nullptr;   // "present", interned
+
+bool is_location(PyObject* o) {  // a Location or a subclass (a standard point): same slots, same reads
+  return PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(location_type));
+}
 
 // Offsets of the __slots__ the fast path reads and writes (looked up once, at registration).
 struct {
@@ -221,7 +227,7 @@ PyObject* link_attach(PyObject* o, PyObject* fields) {
   }
   s->special = special_set;
   s->guarded = guarded_set;
-  s->fast = fast && location_type && wait_type;
+  s->fast = fast && location_type && wait_type && view_type;
   s->step = step;
   Py_RETURN_NONE;
 }
@@ -316,11 +322,9 @@ PyObject* visit_full(Controller* c, PyObject* const* args, size_t nargsf, PyObje
 }
 
 // ------------------------------------------------------------------------------------------------
-// The single-read fast path: the common case of a module call that exactly one whole-batch block
-// waits on with a plain ``await loc`` is served here, and if that block's next wait is another plain
-// output read it is parked here too. Everything else (several waiters, rows, writes, steps, gathers,
-// errors) goes through the interleaver's Python code, which owns the semantics; this path only
-// repeats what that code does in this one case.
+// The fast path's helpers: parking a block's next plain output read (try_park) or step-loop
+// iteration (try_gate) natively, and resuming a block (resume_block). What the path serves is said
+// at fast_serve.
 
 
 bool ready_empty(RunLink* s) {
@@ -357,7 +361,7 @@ PyObject* new_wait(RunLink* s, PyObject* order, PyObject* block, PyObject* trap,
 // Park ``block`` on ``msg`` if it is a plain output read of a later call in the current step.
 // 1: parked; 0: not handled (the Python kernel will handle it); never raises.
 int try_park(RunLink* s, PyObject* block, PyObject* msg) {
-  if (Py_TYPE(msg) != reinterpret_cast<PyTypeObject*>(location_type)) return 0;
+  if (!is_location(msg)) return 0;
   PyObject *key = slot_get(msg, loc_off.key), *occ = slot_get(msg, loc_off.occ);
   PyObject *bstep = slot_get(block, blk_off.step), *order = slot_get(block, blk_off.order);
   if (!key || !occ || !bstep || !order) return 0;
@@ -571,13 +575,14 @@ int resume_block(RunLink* s, PyObject* block, PyObject* value) {
 }
 
 // Whether ``w`` (a Wait) is a plain read of call ``n`` of this module in the current step,
-// by a block that sees the whole batch or a plain row range: what the fast path can serve.
+// by a block that sees the whole batch or a plain row range: what the fast path can serve (the
+// location's keys, indices or a value view, are applied as the kernel's batching.get_item does).
 bool plain_wait(RunLink* s, PyObject* w, Py_ssize_t n) {
   if (Py_TYPE(w) != reinterpret_cast<PyTypeObject*>(wait_type)) return false;
   PyObject *block = slot_get(w, wait_off.block), *trap = slot_get(w, wait_off.trap);
   PyObject *occ = slot_get(w, wait_off.occ), *step = slot_get(w, wait_off.step);
   if (!block || !trap || !occ || !step) return false;
-  if (slot_get(w, wait_off.gather) != Py_None || Py_TYPE(trap) != reinterpret_cast<PyTypeObject*>(location_type) ||
+  if (slot_get(w, wait_off.gather) != Py_None || !is_location(trap) ||
       Py_TYPE(block) != reinterpret_cast<PyTypeObject*>(block_type)) {
     return false;
   }
@@ -586,7 +591,7 @@ bool plain_wait(RunLink* s, PyObject* w, Py_ssize_t n) {
     return false;
   }
   PyObject* keys = slot_get(trap, loc_off.keys);
-  if (!keys || !PyTuple_Check(keys) || PyTuple_GET_SIZE(keys) != 0) return false;
+  if (!keys || !PyTuple_CheckExact(keys)) return false;
   PyObject* rows = slot_get(block, blk_off.rows);
   if (!rows) return false;
   return rows == Py_None || (PyTuple_CheckExact(rows) && PyTuple_GET_SIZE(rows) == 2 &&
@@ -607,10 +612,50 @@ PyObject* rows_of(PyObject* value, PyObject* rows, Py_ssize_t batch) {
   return asyncpp::narrow_rows(value, a, b, batch);
 }
 
+// ``value`` at ``keys`` as ``block`` reads it: the kernel's batching.get_item (a ValueView key
+// presents the value reached so far, any other key indexes it). Consumes ``value``; new
+// reference, or nullptr with an error.
+PyObject* at_keys(PyObject* value, PyObject* keys, PyObject* block) {
+  const Py_ssize_t nk = PyTuple_GET_SIZE(keys);
+  for (Py_ssize_t i = 0; i < nk && value; i++) {
+    PyObject* k = PyTuple_GET_ITEM(keys, i);
+    PyObject* next;
+    if (PyObject_TypeCheck(k, reinterpret_cast<PyTypeObject*>(view_type))) {
+      PyObject* args[3] = {k, value, block};
+      next = PyObject_VectorcallMethod(present_name, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    } else {
+      next = PyObject_GetItem(value, k);
+    }
+    Py_DECREF(value);
+    value = next;
+  }
+  return value;
+}
+
+// Resume ``block`` with the error its read raised (a key that does not fit the value), through
+// the kernel's _resume, as its _serve_waits does. The error is set on entry; 0, or -1 with an
+// error set (the read's own error when it is not an Exception: it ends the run).
+int throw_read_error(RunLink* s, PyObject* block) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+  PyObject *type, *exc, *tb;
+  PyErr_Fetch(&type, &exc, &tb);
+  PyErr_NormalizeException(&type, &exc, &tb);
+  if (tb) PyException_SetTraceback(exc, tb);
+  PyObject* args[3] = {block, Py_None, exc};
+  PyObject* done = PyObject_Vectorcall(s->resume, args, 3, nullptr);
+  Py_XDECREF(type);
+  Py_XDECREF(exc);
+  Py_XDECREF(tb);
+  if (!done) return -1;
+  Py_DECREF(done);
+  return 0;
+}
+
 // The fast path: a module call whose output waits are all plain reads of this very call (one
 // block or many, each seeing the whole batch or its own rows; the case of every decoder layer on
-// a batching engine) is served here, in invoke order, and a block whose next wait is another plain
-// output read is parked here too (try_park). Everything else (inputs, keys, writes awaited on a
+// a batching engine; at an index or a standard point's view too) is served here, in invoke order,
+// and a block whose next wait is another plain output read is parked here too (try_park).
+// Everything else (inputs, writes awaited on a
 // later call, steps, gathers, request-level values, TP shards, errors) goes through the
 // interleaver's Python code, which owns the semantics; this path repeats what that code does in
 // these cases only.
@@ -675,13 +720,16 @@ int fast_serve(Controller* c, RunLink* s, PyObject* out, PyObject** result) {
   s->in_visit = 1;
   int status = 0;
   for (Py_ssize_t i = 0; i < nw && status == 0; i++) {
-    PyObject* block = slot_get(PyList_GET_ITEM(lst, i), wait_off.block);
+    PyObject* w = PyList_GET_ITEM(lst, i);
+    PyObject* block = slot_get(w, wait_off.block);
     if (slot_get(block, blk_off.done) == Py_True) continue;
     Py_INCREF(block);
     // each block reads the value as the blocks before it left it (a write replaces visit_out)
+    PyObject* keys = slot_get(slot_get(w, wait_off.trap), loc_off.keys);
     PyObject* value = rows_of(s->visit_out, slot_get(block, blk_off.rows), batch);
+    if (value && PyTuple_GET_SIZE(keys) > 0) value = at_keys(value, keys, block);
     if (!value) {
-      status = -1;
+      status = throw_read_error(s, block);
     } else {
       status = resume_block(s, block, value);
       Py_DECREF(value);
@@ -920,12 +968,12 @@ Py_ssize_t member_offset(PyObject* type, const char* name) {
   return off;
 }
 
-// set_types(Location, Block, Wait, Interleaver, StepGate): the classes the fast path recognises, and where
+// set_types(Location, Block, Wait, Interleaver, StepGate, ValueView): the classes the fast path recognises, and where
 // the named fields it reads and writes live.
 PyObject* py_set_types(PyObject*, PyObject* args) {
-  PyObject *loc, *blk, *wt, *ker, *gate;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &wt, &PyType_Type,
-                        &ker, &PyType_Type, &gate)) {
+  PyObject *loc, *blk, *wt, *ker, *gate, *view;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!", &PyType_Type, &loc, &PyType_Type, &blk, &PyType_Type, &wt,
+                        &PyType_Type, &ker, &PyType_Type, &gate, &PyType_Type, &view)) {
     return nullptr;
   }
   const char* ker_names[] = {"current", "position", "batch_size", "budget", "gates"};
@@ -962,11 +1010,14 @@ PyObject* py_set_types(PyObject*, PyObject* args) {
   Py_XSETREF(block_type, blk);
   Py_INCREF(wt);
   Py_XSETREF(wait_type, wt);
+  Py_INCREF(view);
+  Py_XSETREF(view_type, view);
+  if (!present_name && !(present_name = PyUnicode_InternFromString("present"))) return nullptr;
   Py_RETURN_NONE;
 }
 
 PyMethodDef more_functions[] = {
-    {"set_types", py_set_types, METH_VARARGS, "Register the Location, Block, Wait, Interleaver and StepGate classes."},
+    {"set_types", py_set_types, METH_VARARGS, "Register the Location, Block, Wait, Interleaver, StepGate and ValueView classes."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

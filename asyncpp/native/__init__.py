@@ -89,9 +89,10 @@ def load() -> ModuleType:
             from ..kernel.block import Block, Wait
             from ..kernel.interleaver import Interleaver
             from ..kernel.traps import StepGate
+            from ..kernel.views import ValueView
             from ..locations.location import Location
 
-            module.set_types(Location, Block, Wait, Interleaver, StepGate)
+            module.set_types(Location, Block, Wait, Interleaver, StepGate, ValueView)
             from ..kernel import batching
 
             batching.use_native(module.narrow_rows)  # the fast path recognises plain reads by type

@@ -34,7 +34,8 @@ The link's own fields: ``bypass`` (set by the kernel while a block's code runs: 
 module calls run plainly), ``in_visit``, ``visit_index``, ``visit_n`` and ``visit_out`` (the call
 the fast path is serving; a block's write there replaces ``visit_out``). Besides these the fast path
 reads and writes named fields of the kernel's classes (offsets looked up once by ``set_types``):
-``Location.key/occ/keys``, ``Block.coro/state/rows/step/order/waiting/done/ended/req_step``, every
+``Location.key/occ/keys`` (of a Location or a subclass; the keys applied as
+``batching.get_item`` does, calling ``ValueView.present``), ``Block.coro/state/rows/step/order/waiting/done/ended/req_step``, every
 field of ``Wait``, ``StepGate.after/every`` and ``Interleaver.current/position/batch_size/budget/gates``.
 The native link's one method besides attach/detach: ``resume(block, value)`` (the kernel's
 ``_resume`` for one block, parking its next plain read or step-loop iteration natively; the kernel

@@ -4,6 +4,8 @@ where the model reads."""
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from torch import nn
@@ -228,3 +230,59 @@ def test_a_plain_module_has_no_standard_view(mlp):
     with pytest.raises(asyncpp.PathError, match="is not a causal language model"):
         with asyncpp.trace(mlp) as t:
             t.invoke(torch.ones(2, 8), block)
+
+
+def test_points_and_indexed_reads_are_served_by_the_controllers(engines, monkeypatch):
+    """A standard point (a location with a view key) and an indexed raw read are served where the
+    module's call returns: by the native controllers' fast path without the kernel's
+    ``visit_output``, and by the kernel with the Python twin. Same values, and a key that does not
+    fit fails the reading block alone, at its line, either way (CI runs this module with both)."""
+    from asyncpp.kernel.interleaver import Interleaver
+    from asyncpp.native.controllers import python_controllers
+
+    eng = engines["llama"]
+    layers = [eng.model.model.layers[i] for i in range(2)]
+    visited = []
+    visit_output = Interleaver.visit_output
+
+    def counting(self, index, out):
+        visited.append(index)
+        return visit_output(self, index, out)
+
+    monkeypatch.setattr(Interleaver, "visit_output", counting)
+
+    async def reads(m):
+        got = [(await point.resid_out).clone() for point in m.std.layers]
+        got.append((await m.model.layers[1].output[0]).clone())
+        return got
+
+    async def misfit(m):
+        await m.std.layers[0].resid_out[0, 99]
+
+    with asyncpp.trace(eng) as t:
+        a = t.invoke(PROMPTS[0], reads)
+        b = t.invoke(PROMPTS[1], reads)
+    index_of = {id(module): i for i, module in enumerate(eng.model.modules())}
+    layer_visits = [i for i in visited if i in {index_of[id(layer)] for layer in layers}]
+    if python_controllers():
+        assert layer_visits  # the twin has no fast path: the kernel serves every hot call
+    else:
+        assert layer_visits == []
+    with asyncpp.trace(eng) as t:
+        raw = [t.invoke(p, _raw_layer_outputs) for p in PROMPTS]
+    for h, r, p in zip((a, b), raw, PROMPTS):
+        n = len(p)
+        for got, want in zip(h.result[:2], r.result):
+            torch.testing.assert_close(got, want[:, -n:], rtol=0, atol=0)
+        torch.testing.assert_close(h.result[2], r.result[1][0], rtol=0, atol=0)
+    with pytest.raises(IndexError, match="out of bounds") as info:
+        with asyncpp.trace(eng) as t:
+            t.invoke(PROMPTS[0], misfit)
+            other = t.invoke(PROMPTS[1], reads)
+    assert "test_standard_view.py" in "".join(traceback.format_tb(info.tb))
+    for got, want in zip(other.result, b.result):  # the other invoke read on, as before
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+async def _raw_layer_outputs(m):
+    return [_first(await layer.output).clone() for layer in m.model.layers]
