@@ -902,9 +902,14 @@ def main() -> int:
     if uses_vllm:
         import vllm
 
+        from asyncpp.engines.vllm import console
+
         extra = {
             "vllm": vllm.__version__,
             "VLLM_CPU_OMP_THREADS_BIND": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+            "OMP_WAIT_POLICY of vLLM's processes": console.child_env(False).get("OMP_WAIT_POLICY", "unset")
+            if "OMP_WAIT_POLICY" not in os.environ
+            else os.environ["OMP_WAIT_POLICY"],
         }
     import transformers
 

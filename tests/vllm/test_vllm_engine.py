@@ -575,6 +575,24 @@ def test_thread_binding_is_vllms_default_for_one_worker_and_nobind_for_several(m
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
 
 
+def test_unbound_openmp_threads_wait_passively_unless_the_user_says_otherwise(monkeypatch):
+    from asyncpp.engines.vllm import console
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with console.starting_env(False, workers=1):
+        assert "OMP_WAIT_POLICY" not in os.environ  # bound threads: vLLM's own settings
+    with console.starting_env(False, workers=2):
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with console.starting_env(True, workers=1):  # (whether vLLM's logs show or not)
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own policy wins
+    with console.starting_env(False, workers=2):
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 @pytest.mark.timeout(60)
 def test_stderr_filter_drops_only_the_known_lines_of_child_processes(capfd):
     import subprocess

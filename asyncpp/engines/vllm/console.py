@@ -48,7 +48,12 @@ def child_env(logs: bool, workers: int = 1) -> dict[str, str]:
     With several workers, vLLM's default thread binding (``auto``: each worker's OpenMP threads
     on cores of one NUMA node, after reserving one core per worker for the engine core process)
     asserts a NUMA node per worker, which a one-node machine does not have: those engines run
-    with ``nobind``. A one-worker engine keeps vLLM's default."""
+    with ``nobind``. A one-worker engine keeps vLLM's default.
+
+    Unbound OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``): by default they spin
+    after every parallel region, on the very cores vLLM's engine core and this process need next.
+    On a 2-core machine one 64-token generation took 97 to 494 ms (median 177) spinning, 87 to 182
+    ms (median 110) waiting passively (docs/performance.md, "The standard view's cost")."""
     env = {LOGS_ENV: "1" if logs else "0"}  # the engine's choice, read by asyncpp's worker
     env[lifeline.ENV] = lifeline.driver_token()  # vLLM's processes end when this one does
     # vLLM 0.32 cannot load the ahead-of-time compiled artifacts it saves on its CPU platform
@@ -57,6 +62,8 @@ def child_env(logs: bool, workers: int = 1) -> dict[str, str]:
     env["VLLM_USE_AOT_COMPILE"] = "0"
     if workers > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if env.get("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND")) == "nobind":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     if logs:
         return env
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
