@@ -8,6 +8,7 @@ into what ``present`` returns. Keys after the view index the presented value.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 from torch import Tensor
@@ -19,6 +20,9 @@ class ValueView:
     """A presented form of a location's value (subclasses say which form)."""
 
     __slots__ = ()
+    #: whether :meth:`remote` may run on the owning pipeline stage instead, so that only its
+    #: result crosses (a pull's selection): true for views whose remote form is a plain value
+    travels: bool = True
 
     def present(self, value: Any, block: Any) -> Any:
         """The form a block reads: a view of ``value``'s storage, never a copy (``block`` is the
@@ -44,4 +48,24 @@ class ValueView:
             target.copy_(new)
 
 
-__all__ = ["ValueView"]
+def _class_code(cls: type) -> int:
+    return zlib.crc32(f"{cls.__module__}.{cls.__qualname__}".encode())
+
+
+def view_code(view: ValueView) -> int:
+    """A number naming ``view``'s class on every process running the same code (for the wire)."""
+    return _class_code(type(view))
+
+
+def view_of_code(code: int) -> ValueView | None:
+    """A view of the class :func:`view_code` names (views are stateless), or None."""
+    todo = list(ValueView.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if _class_code(cls) == code:
+            return cls()
+    return None
+
+
+__all__ = ["ValueView", "view_code", "view_of_code"]

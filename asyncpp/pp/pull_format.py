@@ -15,7 +15,13 @@ Nothing here sends, receives or starts a thread: these are the bytes both ends a
   :data:`TAG_BODY`. An ok body (status :data:`OK`) is ``meta (int64 words, padded to 16 bytes) +
   payload``: the payload is every tensor of the value flattened into one buffer of its single dtype;
   meta encodes the structure and shapes (``[LEAF, ndim, *shape]`` or ``[TUPLE|LIST, n,
-  *children]``). An error body (status :data:`ERR`) is the UTF-8 message.
+  *children]``). An error body (status :data:`ERR`) is the UTF-8 message. Status :data:`WHOLE` is
+  an ok body of the whole value where the pull asked for a selection the owner could not apply:
+  the requester applies it, so that it fails there as it would on one stage.
+* A PULL with ``body_bytes > 0`` carries a *selection* in the same way: what the requester applies
+  to the value first (indexing, slicing, a standard view's remote form), which the owner applies
+  instead, so that only the selected part crosses. The body is int64 words: per operation
+  ``[SEL_INDEX, n, *key items]`` or ``[SEL_VIEW, code]`` (:func:`encode_selection`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..kernel.errors import AsyncppError
+from ..kernel.views import ValueView, view_code, view_of_code
 
 MAGIC = 0x41505050
 TAG_HEADER = 0x5A50  # gloo message tag of every header
@@ -51,7 +58,7 @@ HEADER_BYTES = HEADER_WORDS * 8
 
 PULL, CANCEL, REPLY, DRAIN, BYE = 1, 2, 3, 4, 5
 KIND_NAMES = {PULL: "PULL", CANCEL: "CANCEL", REPLY: "REPLY", DRAIN: "DRAIN", BYE: "BYE"}
-OK, ERR = 0, 1
+OK, ERR, WHOLE = 0, 1, 2
 LEAF, TUPLE, LIST = 0, 1, 2
 
 MAX_MESSAGE = 1 << 16  # bytes of an error body at most
@@ -305,3 +312,123 @@ def decode_copy(encoded: Encoded) -> Any:
     if encoded.status != OK or encoded.body is None:
         raise WireError(f"not an ok value: {encoded.message or 'no body'}")
     return decode(encoded.dtype, encoded.meta_words, encoded.payload_bytes, encoded.body.clone())
+
+
+# ---------------------------------------------------------------------------------------------- selections
+
+# A selection is a tuple of operations applied in turn: ("index", key) is ``value[key]`` for a key
+# made of ints, slices of ints, None and Ellipsis (or a tuple of them); ("view", view) is
+# ``view.remote(value)`` for a stateless ValueView.
+SEL_INDEX, SEL_VIEW = 1, 2
+K_INT, K_SLICE, K_NONE, K_ELLIPSIS = 0, 1, 2, 3
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def selectable_key(key: Any) -> bool:
+    """Whether ``value[key]`` can travel with a pull (and means the same on the owner)."""
+    items = key if type(key) is tuple else (key,)
+    return all(_item_words(k) is not None for k in items)
+
+
+def selectable_view(view: Any) -> bool:
+    """Whether ``view.remote`` can travel with a pull: a stateless view that allows it."""
+    return isinstance(view, ValueView) and view.travels and not getattr(view, "__dict__", None)
+
+
+def _int_ok(v: Any) -> bool:
+    return type(v) is int and _INT64[0] < v <= _INT64[1]
+
+
+def _item_words(k: Any) -> list[int] | None:
+    if _int_ok(k):
+        return [K_INT, k]
+    if k is None:
+        return [K_NONE]
+    if k is Ellipsis:
+        return [K_ELLIPSIS]
+    if type(k) is slice and all(b is None or _int_ok(b) for b in (k.start, k.stop, k.step)):
+        return [K_SLICE] + [_INT64[0] if b is None else b for b in (k.start, k.stop, k.step)]
+    return None
+
+
+def encode_selection(ops: Sequence[tuple[str, Any]]) -> torch.Tensor:
+    """A selection as the int64 words of a PULL's body."""
+    words: list[int] = []
+    for op, arg in ops:
+        if op == "index":
+            items = arg if type(arg) is tuple else (arg,)
+            encoded = [_item_words(k) for k in items]
+            if any(e is None for e in encoded):
+                raise WireError(f"the key {arg!r} cannot travel with a pull")
+            words += [SEL_INDEX, len(items) if type(arg) is tuple else -1]
+            for e in encoded:
+                words += e
+        elif op == "view":
+            words += [SEL_VIEW, view_code(arg)]
+        else:
+            raise WireError(f"unknown selection operation {op!r}")
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def decode_selection(words: Sequence[int]) -> tuple[tuple[str, Any], ...]:
+    """The operations of a PULL's selection body. Raises WireError for malformed words."""
+    ops: list[tuple[str, Any]] = []
+    pos, end = 0, len(words)
+
+    def take(n: int) -> Sequence[int]:
+        nonlocal pos
+        if pos + n > end:
+            raise WireError(f"a selection ends inside an operation: {list(words)}")
+        got = words[pos : pos + n]
+        pos += n
+        return got
+
+    while pos < end:
+        op = take(1)[0]
+        if op == SEL_VIEW:
+            code = take(1)[0]
+            view = view_of_code(code)
+            if view is None:
+                raise WireError(f"a selection names an unknown view (code {code})")
+            ops.append(("view", view))
+        elif op == SEL_INDEX:
+            n = take(1)[0]
+            items = []
+            for _ in range(1 if n == -1 else n):
+                kind = take(1)[0]
+                if kind == K_INT:
+                    items.append(take(1)[0])
+                elif kind == K_NONE:
+                    items.append(None)
+                elif kind == K_ELLIPSIS:
+                    items.append(Ellipsis)
+                elif kind == K_SLICE:
+                    a, b, c = (None if w == _INT64[0] else w for w in take(3))
+                    items.append(slice(a, b, c))
+                else:
+                    raise WireError(f"a selection has an unknown key kind {kind}")
+            ops.append(("index", items[0] if n == -1 else tuple(items)))
+        else:
+            raise WireError(f"a selection has an unknown operation {op}")
+    return tuple(ops)
+
+
+def apply_selection(value: Any, ops: Sequence[tuple[str, Any]]) -> Any:
+    """``value`` with the selection's operations applied in turn (what the requester would do)."""
+    for op, arg in ops:
+        value = arg.remote(value) if op == "view" else value[arg]
+    return value
+
+
+def select(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded:
+    """The owner's reply to a pull with a selection: the selected part of a stored ok value,
+    encoded on its own (a private copy), or the whole value as :data:`WHOLE` where the selection
+    does not apply to it (the requester applies it and gets the error one stage would). Errors
+    and empty selections return ``entry`` itself."""
+    if not ops or entry.status != OK or entry.body is None:
+        return entry
+    try:
+        part = apply_selection(decode(entry.dtype, entry.meta_words, entry.payload_bytes, entry.body), ops)
+        return encode(part)
+    except Exception:
+        return Encoded(WHOLE, entry.dtype, entry.meta_words, entry.payload_bytes, entry.body)

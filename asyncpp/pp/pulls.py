@@ -5,7 +5,8 @@ location that another stage owns, it *pulls* it from the owner: the owner *publi
 forward thread into a buffer, and a listener thread on each rank answers pulls. The traffic runs on our
 own gloo process group (one per TP column, group rank i == pipeline stage i), apart from the engine's.
 A value is addressed by (req, key, visit); the messages and their encoding are in
-:mod:`asyncpp.pp.pull_format`.
+:mod:`asyncpp.pp.pull_format`. A pull may carry a *selection* (indexing, a standard view): the owner
+applies it and ships only that part.
 
 Replies are routed to the waiting pull by ticket (unique per requester), so several pulls, from any
 number of threads, can be outstanding at once; a reply to an abandoned pull is read and dropped.
@@ -54,8 +55,9 @@ _FOREVER = datetime.timedelta(days=365)
 _MAX_ENDED = 4096
 _CONTROL = frozenset((fmt.DRAIN, fmt.BYE))  # kinds counted as control traffic, not pull traffic
 
-# the pulls waiting at an owner for the values of one request: (key, visit) -> [(requester, ticket)]
-_Waiting = dict[tuple[int, int], list[tuple[int, int]]]
+# the pulls waiting at an owner for the values of one request:
+# (key, visit) -> [(requester, ticket, selection)]
+_Waiting = dict[tuple[int, int], list[tuple[int, int, tuple]]]
 
 
 class _PendingPull:
@@ -74,7 +76,18 @@ class _PendingPull:
 class PullHandle:
     """A pull in flight, made by :meth:`PullService.request`."""
 
-    __slots__ = ("service", "owner", "req", "key", "visit", "where", "ticket", "pending", "collected")
+    __slots__ = (
+        "service",
+        "owner",
+        "req",
+        "key",
+        "visit",
+        "where",
+        "ticket",
+        "pending",
+        "collected",
+        "select",
+    )
 
     def __init__(
         self,
@@ -86,12 +99,14 @@ class PullHandle:
         where: str,
         ticket: int,
         pending: _PendingPull | None,
+        select: tuple = (),
     ) -> None:
         self.service = service
         self.owner, self.req, self.key, self.visit, self.where = owner, req, key, visit, where
         self.ticket = ticket
         self.pending = pending  # None: a pull from this rank itself
         self.collected = False  # waited on or cancelled
+        self.select = select  # the selection the value comes back with (pull_format's operations)
 
     def answered(self) -> bool:
         """Whether waiting on it now returns at once: the owner answered (with the value or an
@@ -145,6 +160,7 @@ class PullService:
                 "late_replies",  # replies for pulls that had already given up
                 "bytes_in",  # pull traffic (requests, cancels, replies: header + body)
                 "bytes_out",
+                "value_bytes_in",  # of which the values' own bytes (ok replies' tensor data)
                 "ctrl_bytes_in",  # drain / goodbye traffic
                 "ctrl_bytes_out",
             ),
@@ -226,7 +242,7 @@ class PullService:
         for req, per_loc in waiting.items():
             for (key, visit), who in per_loc.items():
                 entry = fmt.error_body(f"stage {self.rank} closed before it produced the value")
-                for requester, ticket in who:
+                for requester, ticket, _ in who:
                     self._reply(requester, ticket, req, key, visit, entry)
         for peer in range(self.world):
             if peer != self.rank:
@@ -272,8 +288,8 @@ class PullService:
             if per_loc is not None and not per_loc:
                 del self._waiters[req]
             self._cv.notify_all()
-        for requester, ticket in who:
-            self._reply(requester, ticket, req, key, visit, entry)
+        for requester, ticket, select in who:
+            self._reply(requester, ticket, req, key, visit, fmt.select(entry, select))
 
     def _announce_done(self, req: int) -> bool:
         """Tell every peer this rank is done with ``req`` (a DRAIN message); False when this service
@@ -328,28 +344,33 @@ class PullService:
     def _answer_ended(self, req: int, waiting: _Waiting) -> None:
         for (key, visit), who in waiting.items():
             entry = fmt.error_body(self._ended_message(req, key, visit))
-            for requester, ticket in who:
+            for requester, ticket, _ in who:
                 self._reply(requester, ticket, req, key, visit, entry)
 
     # ------------------------------------------------------------------ requester side
 
-    def pull(self, owner: int, req: int, key: int, visit: int, *, where: str) -> Any:
+    def pull(self, owner: int, req: int, key: int, visit: int, *, where: str, select: tuple = ()) -> Any:
         """Blocking: the value ``owner`` published under (req, key, visit), with its true dtype(s),
-        shape(s) and tuple/list structure, as CPU tensors private to the caller.  If it is not published
-        yet the owner answers when it is.  Errors raise PullError naming ``where`` and the owner; the
-        deadline raises PullTimeout naming ``where``, the owner and the seconds waited.  The same as
+        shape(s) and tuple/list structure, as CPU tensors private to the caller; with a selection
+        (``pull_format``'s operations), that part of it, which the owner selects.  If it is not
+        published yet the owner answers when it is.  Errors raise PullError naming ``where`` and the
+        owner; the deadline raises PullTimeout naming ``where``, the owner and the seconds waited; a
+        selection that does not apply to the value raises as it would applied here.  The same as
         ``wait(request(...))``."""
-        return self.wait(self.request(owner, req, key, visit, where=where))
+        return self.wait(self.request(owner, req, key, visit, where=where, select=select))
 
-    def request(self, owner: int, req: int, key: int, visit: int, *, where: str) -> PullHandle:
-        """Non-blocking: send the pull of (req, key, visit) to ``owner`` now and return its handle, to
-        check with ``handle.answered()``, collect with :meth:`wait` or give up with :meth:`cancel`.
-        Raises PullError at once when the pull cannot be made (closed or broken service, closed
-        owner)."""
+    def request(
+        self, owner: int, req: int, key: int, visit: int, *, where: str, select: tuple = ()
+    ) -> PullHandle:
+        """Non-blocking: send the pull of (req, key, visit) (with its selection) to ``owner`` now
+        and return its handle, to check with ``handle.answered()``, collect with :meth:`wait` or
+        give up with :meth:`cancel`.  Raises PullError at once when the pull cannot be made (closed
+        or broken service, closed owner)."""
         if not 0 <= owner < self.world:
             raise PullError(f"pull of {where}: stage {owner} is outside a pipeline of {self.world}")
         if owner == self.rank:
-            return PullHandle(self, owner, req, key, visit, where, 0, None)
+            return PullHandle(self, owner, req, key, visit, where, 0, None, select)
+        body = fmt.encode_selection(select).view(torch.uint8) if select else None
         with self._lock:
             trouble = self._trouble(owner)
             if trouble is None:
@@ -363,8 +384,10 @@ class PullService:
         def on_fail(exc: BaseException) -> None:
             self._fail_pending(ticket, f"could not send the pull: {exc}")
 
-        self._post(_Out(owner, fmt.header(fmt.PULL, self.rank, req, key, visit, ticket), on_fail=on_fail))
-        return PullHandle(self, owner, req, key, visit, where, ticket, pending)
+        nbytes = 0 if body is None else body.numel()
+        head = fmt.header(fmt.PULL, self.rank, req, key, visit, ticket, body_bytes=nbytes)
+        self._post(_Out(owner, head, body, on_fail=on_fail))
+        return PullHandle(self, owner, req, key, visit, where, ticket, pending, select)
 
     def wait(self, handle: PullHandle) -> Any:
         """Blocking: the value of a pull made with :meth:`request` (errors and the deadline, counted
@@ -374,7 +397,9 @@ class PullService:
             raise PullError(f"pull of {where} from stage {owner}: its handle was already used")
         handle.collected = True
         if handle.pending is None:
-            return self._pull_local(handle.req, handle.key, handle.visit, where)
+            return fmt.apply_selection(
+                self._pull_local(handle.req, handle.key, handle.visit, where), handle.select
+            )
         pending, ticket = handle.pending, handle.ticket
         start = time.monotonic()
         answered = pending.event.wait(self.deadline_s)
@@ -395,13 +420,16 @@ class PullService:
             raise PullError(f"pull of {where} from stage {owner} failed: {pending.error}")
         h = pending.header
         assert h is not None
-        if h.status != fmt.OK:
+        if h.status == fmt.ERR:
             raise PullError(f"pull of {where} from stage {owner} failed: {fmt.error_message(pending.body)}")
         assert pending.body is not None
         try:
-            return fmt.decode(h.dtype, h.meta_words, h.payload_bytes, pending.body)
+            value = fmt.decode(h.dtype, h.meta_words, h.payload_bytes, pending.body)
         except fmt.WireError as exc:
             raise PullError(f"pull of {where} from stage {owner} failed: {exc}") from None
+        if h.status == fmt.WHOLE:  # the owner could not select: it fails here as on one stage
+            value = fmt.apply_selection(value, handle.select)
+        return value
 
     def cancel(self, handle: PullHandle) -> None:
         """Give up a pull that will not be waited on: the owner drops it if it is still waiting there
@@ -546,7 +574,7 @@ class PullService:
                 work.wait(_FOREVER)
                 h = self._parse(words.tolist())
                 body = None
-                if h.kind == fmt.REPLY and h.body_bytes > 0:
+                if h.kind in (fmt.REPLY, fmt.PULL) and h.body_bytes > 0:
                     body = torch.empty(h.body_bytes, dtype=torch.uint8)
                     self.group.recv([body], h.sender, fmt.TAG_BODY).wait(_FOREVER)
                 self._dispatch(h, body)
@@ -599,26 +627,34 @@ class PullService:
             return
         pending.header = h
         pending.body = body
+        if h.status != fmt.ERR:
+            self.stats["value_bytes_in"] += h.payload_bytes
         pending.event.set()
 
     def _on_pull(self, h: fmt.Header, body: torch.Tensor | None) -> Callable[[], None] | None:
         if self._closed:
             return None  # our goodbye is on its way: the requester fails the pull on it
         req, at = h.req, (h.key, h.visit)
+        try:
+            select = fmt.decode_selection(body.view(torch.int64).tolist()) if body is not None else ()
+        except (fmt.WireError, RuntimeError) as exc:
+            entry = fmt.error_body(f"stage {self.rank} could not read the pull's selection: {exc}")
+            return partial(self._reply, h.sender, h.ticket, req, h.key, h.visit, entry)
         entry = self._values.get(req, {}).get(at)
         if entry is None and (req in self._ended or req in self._released):
             entry = fmt.error_body(self._ended_message(req, h.key, h.visit))
         if entry is None:
-            self._waiters.setdefault(req, {}).setdefault(at, []).append((h.sender, h.ticket))
+            self._waiters.setdefault(req, {}).setdefault(at, []).append((h.sender, h.ticket, select))
             return None
-        return partial(self._reply, h.sender, h.ticket, req, h.key, h.visit, entry)
+        return lambda: self._reply(h.sender, h.ticket, req, h.key, h.visit, fmt.select(entry, select))
 
     def _on_cancel(self, h: fmt.Header, body: torch.Tensor | None) -> None:
         per_loc = self._waiters.get(h.req, {})
         at = (h.key, h.visit)
         who = per_loc.get(at)
-        if who and (h.sender, h.ticket) in who:
-            who.remove((h.sender, h.ticket))
+        mine = [w for w in who or () if w[:2] == (h.sender, h.ticket)]
+        if mine:
+            who.remove(mine[0])
             self.stats["cancels"] += 1
             if not who:
                 del per_loc[at]
@@ -642,7 +678,7 @@ class PullService:
         self._byes_in.add(src)
         for per_loc in self._waiters.values():  # its waiting pulls: nobody to answer any more
             for who in per_loc.values():
-                who[:] = [(r, t) for r, t in who if r != src]
+                who[:] = [w for w in who if w[0] != src]
         for ticket, pending in list(self._pending.items()):
             if pending.owner == src:
                 del self._pending[ticket]

@@ -43,8 +43,15 @@ class Resolver:
     def available(self, leaf: RemoteValue) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def fetch(self, leaf: RemoteValue) -> Any:  # pragma: no cover - interface
+    def fetch(self, leaf: RemoteValue, select: tuple = ()) -> Any:  # pragma: no cover - interface
+        """The leaf's value with the selection ``select`` applied (the owner applies it, so that
+        only the selected part crosses; see :func:`pull_plan`)."""
         raise NotImplementedError
+
+    def fetch_all(self, plan: list[tuple[LazyValue, RemoteValue, tuple]]) -> list[Any]:
+        """:meth:`fetch` of every ``(node, leaf, select)`` of a pull plan, in order (a stage sends
+        them all before it waits for any)."""
+        return [self.fetch(leaf, select) for _, leaf, select in plan]
 
     def stage(self) -> int:  # pragma: no cover - interface
         raise NotImplementedError
@@ -78,20 +85,26 @@ class LazyValue:
         raise NotImplementedError
 
     def ready(self) -> bool:
-        """Whether every remote value this one depends on can be pulled now."""
+        """Whether every remote value this one still needs can be pulled now."""
         r = _resolver
-        return all(
-            leaf._value is not _UNSET or (r is not None and r.available(leaf)) for leaf in self.leaves()
-        )
+        return all(r is not None and r.available(leaf) for _, leaf, _ in pull_plan(self))
 
     def force(self) -> Any:
         """The real value, pulled if needed; raises if it cannot exist on this stage yet."""
         if self._value is _UNSET:
-            for leaf in self.leaves():
-                if leaf._value is _UNSET:
-                    leaf._pull_now()
-            self._value = self._compute()
+            plan = pull_plan(self)
+            if plan:
+                for _, leaf, _ in plan:
+                    leaf.check_pullable()
+                for (node, _, _), value in zip(plan, _resolver.fetch_all(plan), strict=True):
+                    node._value = value
+            if self._value is _UNSET:  # (unless it was one of the pulls)
+                self._value = self._compute()
         return self._value
+
+    def set_value(self, value: Any) -> None:
+        """Fill in the pulled value (the serve point that resolved an awaited pull)."""
+        self._value = value
 
     def __await__(self):  # `await value`: the same as `await asyncpp.pull(value)`
         return _Pulling(self).__await__()
@@ -224,7 +237,8 @@ class RemoteValue(LazyValue):
     def _compute(self) -> Any:
         return self._value
 
-    def _pull_now(self) -> None:
+    def check_pullable(self) -> None:
+        """Raise RemoteValueError where this value cannot be pulled now, saying why."""
         r = _resolver
         if r is None:
             raise RemoteValueError(f"{self.where} is owned by stage {self.owner} and cannot be pulled here")
@@ -235,11 +249,6 @@ class RemoteValue(LazyValue):
                 f"`value = await asyncpp.pull(value)` to wait for it (the block resumes once stage "
                 f"{self.owner} has run)"
             )
-        self._value = r.fetch(self)
-
-    def set_value(self, value: Any) -> None:
-        """Fill in the pulled value (the serve point that resolved an awaited pull)."""
-        self._value = value
 
     def __repr__(self) -> str:
         state = "pulled" if self._value is not _UNSET else "not pulled"
@@ -256,7 +265,7 @@ class ElsewhereValue(RemoteValue):
     def __init__(self, owner: int, where: str):
         super().__init__(owner, -1, -1, -1, -1, where)
 
-    def _pull_now(self) -> None:
+    def check_pullable(self) -> None:
         raise RemoteValueError(self.unavailable())
 
     def unavailable(self) -> str:
@@ -293,6 +302,70 @@ class Lazy(LazyValue):
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", repr(self.fn))
         return f"<lazy {name}(...) of {self.describe()}>"
+
+
+def pull_plan(obj: Any) -> list[tuple[LazyValue, RemoteValue, tuple]]:
+    """The pulls that forcing ``obj`` takes, as ``(node, leaf, select)``: ``node``'s value is the
+    remote value ``leaf``'s with the selection ``select`` applied (``node`` is ``leaf`` for an empty
+    one). A chain of indexing and standard views over a remote value is a selection, which its
+    owner applies so that only that part crosses; a remote value any other operation uses is
+    pulled whole, once, and its selections are then computed here from it."""
+    plan: list[tuple[LazyValue, RemoteValue, tuple]] = []
+    seen: set[int] = set()
+    whole: set[int] = set()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, LazyValue):
+            if x._value is not _UNSET or id(x) in seen:
+                return
+            seen.add(id(x))
+            if isinstance(x, RemoteValue):
+                plan.append((x, x, ()))
+                whole.add(id(x))
+                return
+            found = _selection(x)
+            if found is not None:
+                plan.append((x, *found))
+                return
+            walk(x.args)
+            walk(x.kwargs)
+        elif isinstance(x, (tuple, list)):
+            for o in x:
+                walk(o)
+        elif isinstance(x, dict):
+            for o in x.values():
+                walk(o)
+
+    walk(obj)
+    return [p for p in plan if not p[2] or id(p[1]) not in whole] if whole else plan
+
+
+def _selection(node: Lazy) -> tuple[RemoteValue, tuple] | None:
+    """``(leaf, select)`` when ``node`` is a chain of selections over a remote value not pulled
+    yet, else None."""
+    from .pull_format import selectable_key, selectable_view
+
+    ops: list[tuple[str, Any]] = []
+    x: Any = node
+    while isinstance(x, Lazy):
+        if x._value is not _UNSET or x.kwargs or not x.args:
+            return None
+        fn, args = x.fn, x.args
+        if fn is operator.getitem and len(args) == 2 and selectable_key(args[1]):
+            ops.append(("index", args[1]))
+        elif (
+            len(args) == 1
+            and getattr(fn, "__name__", "") == "remote"
+            and selectable_view(getattr(fn, "__self__", None))
+        ):
+            ops.append(("view", fn.__self__))
+        else:
+            return None
+        x = args[0]
+    if type(x) is not RemoteValue or x._value is not _UNSET:
+        return None
+    ops.reverse()
+    return x, tuple(ops)
 
 
 _UNPACK_SEQUENCE = dis.opmap["UNPACK_SEQUENCE"]

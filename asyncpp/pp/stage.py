@@ -34,6 +34,7 @@ from .remote import (
     RemoteValue,
     RemoteValueError,
     Resolver,
+    pull_plan,
     set_resolver,
 )
 
@@ -46,11 +47,12 @@ def visit_of(round_: int, call: int) -> int:
 
 
 class _Parked:
-    """A block parked on ``await`` of a lazy value, with the pulls sent for its remote values."""
+    """A block parked on ``await`` of a lazy value, with the pulls sent for what it needs (each
+    filling in a remote value, or a selection of one)."""
 
     __slots__ = ("block", "lazy", "handles")
 
-    def __init__(self, block: Block, lazy: LazyValue, handles: list[tuple[RemoteValue, Any]]):
+    def __init__(self, block: Block, lazy: LazyValue, handles: list[tuple[LazyValue, Any]]):
         self.block, self.lazy, self.handles = block, lazy, handles
 
     def cancel(self, service: Any) -> None:
@@ -137,26 +139,25 @@ class StageSession(Resolver):
             except Exception as err:
                 return Throw(err)
         try:
-            handles = self._request(lazy)
+            handles = self._request(pull_plan(lazy))
         except Exception as err:  # the pull cannot be made at all: raised at the block's await
             return Throw(err)
         self.parked.append(_Parked(block, lazy, handles))
         return PARKED
 
-    def _request(self, lazy: LazyValue) -> list[tuple[RemoteValue, Any]]:
-        """Send the pulls of every remote value ``lazy`` still needs to their owners now; the
-        owners answer once they produced them."""
-        handles: list[tuple[RemoteValue, Any]] = []
-        seen: set[int] = set()
+    def _request(self, plan: list[tuple[LazyValue, RemoteValue, tuple]]) -> list[tuple[LazyValue, Any]]:
+        """Send the pulls of a pull plan (:func:`~.remote.pull_plan`: what a lazy value still
+        needs, each with its selection) to their owners now, all of them before any answer is
+        waited for; the owners answer once they produced the values."""
+        handles: list[tuple[LazyValue, Any]] = []
         try:
-            for leaf in lazy.leaves():
-                if leaf._value is not _UNSET or id(leaf) in seen:
-                    continue
-                seen.add(id(leaf))
+            for node, leaf, select in plan:
                 if isinstance(leaf, ElsewhereValue):
                     raise RemoteValueError(leaf.unavailable())
                 owner, req, key, visit, where = self._address(leaf)
-                handles.append((leaf, self.service.request(owner, req, key, visit, where=where)))
+                handles.append(
+                    (node, self.service.request(owner, req, key, visit, where=where, select=select))
+                )
         except Exception:
             for _, handle in handles:
                 self.service.cancel(handle)
@@ -201,8 +202,8 @@ class StageSession(Resolver):
                 entry.cancel(service)
                 continue
             try:
-                for leaf, handle in entry.handles:
-                    leaf.set_value(service.wait(handle))
+                for node, handle in entry.handles:
+                    node.set_value(service.wait(handle))
                 value = entry.lazy.force()
             except Exception as err:
                 entry.cancel(service)
@@ -234,9 +235,18 @@ class StageSession(Resolver):
         current = self.kernel.current
         return current is not None and leaf.round < current.req_step
 
-    def fetch(self, leaf: RemoteValue) -> Any:
+    def fetch(self, leaf: RemoteValue, select: tuple = ()) -> Any:
         owner, req, key, visit, where = self._address(leaf)
-        return self.service.pull(owner, req, key, visit, where=where)
+        return self.service.pull(owner, req, key, visit, where=where, select=select)
+
+    def fetch_all(self, plan: list[tuple[LazyValue, RemoteValue, tuple]]) -> list[Any]:
+        handles = self._request(plan)
+        try:
+            return [self.service.wait(handle) for _, handle in handles]
+        except Exception:
+            for _, handle in handles:
+                self.service.cancel(handle)
+            raise
 
     @staticmethod
     def _address(leaf: RemoteValue) -> tuple[int, int, int, int, str]:

@@ -307,3 +307,52 @@ async def pull_downstream_every_step(m):
 def test_generation_awaiting_a_downstream_value_every_step(two_stages):
     h = run(two_stages, pull_downstream_every_step, max_new_tokens=12)
     assert h.result == h.tokens[0].tolist()
+
+
+async def last_row_of_an_upstream_layer(m):
+    out = await m.model.layers[0].output  # stage 0's; pulled by stage 1 at layer 3
+    await m.model.layers[3].output
+    return float(out[0][-1].sum())
+
+
+async def last_row_of_the_upstream_stream(m):
+    stream = await m.std.layers[0].resid_out  # a standard view over stage 0's layer
+    await m.model.layers[3].output
+    return float(stream[:, -1].sum())
+
+
+async def two_halves_of_an_upstream_layer(m):
+    out = await m.model.layers[0].output
+    await m.model.layers[3].output
+    return float((out[0] + out[1]).sum())
+
+
+async def a_row_and_the_whole_upstream_layer(m):
+    out = await m.model.layers[0].output
+    await m.model.layers[3].output
+    return float(out[0][-1].sum() + torch.stack(out).sum())
+
+
+def test_only_the_selected_part_of_a_remote_value_crosses(one_stage, two_stages):
+    """Indexing and standard views applied to a remote value travel with the pull: the owner
+    ships the part used (a layer's last row), and a use that needs the whole value pulls it once,
+    for every use of it in that expression. Same values as on one stage."""
+    row = 128 * 4  # one float32 row of the embedded model
+    reply_overhead = 96 + 32  # a reply's header, and a single tensor's shape words
+
+    def pulled(block):
+        """(value bytes, all bytes) stage 1 received for ``block``'s pulls."""
+        before = two_stages.worker_stats()
+        got = run(two_stages, block)
+        after = two_stages.worker_stats()
+        assert got.result == pytest.approx(run(one_stage, block).result, rel=1e-5), block.__name__
+        assert after[0]["pulled_value_bytes"] == before[0]["pulled_value_bytes"], block.__name__
+        return tuple(after[1][k] - before[1][k] for k in ("pulled_value_bytes", "pull_bytes"))
+
+    assert pulled(last_row_of_an_upstream_layer) == (row, row + reply_overhead)
+    assert pulled(last_row_of_the_upstream_stream) == (row, row + reply_overhead)
+    halves, halves_wire = pulled(two_halves_of_an_upstream_layer)  # (mlp_out, residual) apart
+    whole, whole_wire = pulled(a_row_and_the_whole_upstream_layer)  # the row computed from it
+    assert whole == halves >= 2 * 3 * row  # both tensors, every token of the prompt
+    assert halves_wire == halves + 2 * reply_overhead
+    assert whole_wire == whole + 96 + 80  # once: one reply, the shape words of a tuple of two

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asyncpp.pp import pull_format as fmt
 from asyncpp.pp.pulls import PullError, PullService, PullTimeout
 
 HARD_TIMEOUT_S = 60.0
@@ -493,3 +494,50 @@ def test_drain_three_ranks_and_concurrent_pulls(tmp_path: Path) -> None:
     assert sum(s["bytes_out"] for s in stats) == sum(s["bytes_in"] for s in stats) > 0
     # 6 drains and a goodbye: each rank told each of its 2 peers
     assert all(s["ctrl_bytes_out"] == s["ctrl_bytes_in"] == 7 * 2 * HDR for s in stats)
+
+
+# ---------------------------------------------------------------------------------------------- selections
+
+
+ROW_SELECT = (("index", 0), ("index", -1))
+
+
+def _scenario_selections(svc: PullService, rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(7)
+    value = (torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g))
+    req = 3
+    if rank == 0:
+        svc.publish(req, 1, 0, value)
+        _later(0.3, lambda: svc.publish(req, 2, 0, value))  # a pull waiting for it gets its row
+    dist.barrier()
+    if rank == 1:
+        s0 = dict(svc.stats)
+        row = svc.pull(0, req, 1, 0, where="a", select=ROW_SELECT)
+        s1 = dict(svc.stats)
+        waited = svc.pull(0, req, 2, 0, where="b", select=ROW_SELECT)
+        s2 = dict(svc.stats)
+        whole = svc.pull(0, req, 1, 0, where="a")
+        s3 = dict(svc.stats)
+        out["row_same"] = torch.equal(row, value[0][-1]) and torch.equal(waited, value[0][-1])
+        out["whole_same"] = ph.same_value(whole, value)
+        out["row_in"] = (s1["bytes_in"] - s0["bytes_in"], s2["bytes_in"] - s1["bytes_in"])
+        out["row_out"] = s1["bytes_out"] - s0["bytes_out"]
+        out["whole_in"] = s3["bytes_in"] - s2["bytes_in"]
+        # a selection that does not fit fails as it would applied here, with the same error
+        out["misfit"] = _catch(lambda: svc.pull(0, req, 1, 0, where="a", select=(("index", 0), ("index", 9))))
+        out["local"] = _catch(lambda: value[0][9])
+    dist.barrier()
+    ph.drain(svc, req)
+    return out
+
+
+def test_a_pull_with_a_selection_moves_only_the_selected_part(tmp_path: Path) -> None:
+    _, r1 = _run(_scenario_selections, 2, tmp_path)
+    assert r1["row_same"] and r1["whole_same"]
+    row, meta = 32 * 4, 32  # one float32 row; its meta words, padded
+    selection = 8 * len(fmt.encode_selection(ROW_SELECT))
+    assert r1["row_in"] == (HDR + meta + row,) * 2  # published before the pull, and after it
+    assert r1["row_out"] == HDR + selection
+    assert r1["whole_in"] == HDR + 80 + 2 * 6 * row
+    assert r1["misfit"] == r1["local"] and r1["misfit"][0] == "IndexError"

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from asyncpp.pp import pull_format as fmt
 from asyncpp.pp import remote
 from asyncpp.pp.merge import NOT_HERE
 from asyncpp.pp.ownership import LOCAL, Ownership, report
@@ -79,9 +80,9 @@ class _Store(remote.Resolver):
     def available(self, leaf: RemoteValue) -> bool:
         return leaf.owner < self._stage
 
-    def fetch(self, leaf: RemoteValue):
-        self.pulls.append(leaf.where)
-        return self.values[leaf.where]
+    def fetch(self, leaf: RemoteValue, select: tuple = ()):
+        self.pulls.append(leaf.where if not select else (leaf.where, select))
+        return fmt.apply_selection(self.values[leaf.where], select)
 
 
 @pytest.fixture
@@ -99,9 +100,11 @@ def test_remote_value_is_lazy_until_used(store):
     z = torch.softmax(up, dim=-1)  # a torch function: lazy
     assert isinstance(y, Lazy) and isinstance(z, Lazy) and store.pulls == []
     assert torch.equal(y.force(), (store.values["layers.0.output"][1:] * 2 + 1).sum(-1))
+    assert store.pulls == [("layers.0.output", (("index", slice(1, None)),))]  # the rows used only
     assert torch.allclose(z.force(), torch.softmax(store.values["layers.0.output"], -1))
-    assert store.pulls == ["layers.0.output"]  # pulled once, then kept
-    assert up.shape == (3, 4)  # metadata forces too (already pulled)
+    assert store.pulls[1:] == ["layers.0.output"]  # the whole value, for the use that needs it
+    assert up.shape == (3, 4) and torch.equal(up[0].force(), store.values["layers.0.output"][0])
+    assert len(store.pulls) == 2  # then kept: metadata and later selections use it here
 
 
 def test_inplace_edit_of_a_real_tensor_with_an_upstream_value_pulls_it(store):
@@ -159,3 +162,10 @@ def test_unpacking_a_remote_value_stays_lazy(store):
     up = RemoteValue(0, 7, 9, 0, 0, "layers.0.output")
     first, second, third = up
     assert torch.equal(third.force(), store.values["layers.0.output"][2])
+
+
+def test_a_selection_forced_at_once_is_pulled_once_and_not_recomputed(store):
+    up = RemoteValue(0, 7, 9, 0, 0, "layers.0.output")
+    row = up[0][-1]
+    assert torch.equal(row.force(), store.values["layers.0.output"][0][-1])
+    assert store.pulls == [("layers.0.output", (("index", 0), ("index", -1)))]  # nothing else

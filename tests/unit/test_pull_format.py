@@ -26,7 +26,9 @@ def test_constants_are_the_wire_format():
     assert fmt.HEADER_WORDS == 12 and fmt.HEADER_BYTES == 96
     assert (fmt.MAGIC, fmt.TAG_HEADER, fmt.TAG_BODY) == (0x41505050, 0x5A50, 0x5A51)
     assert (fmt.PULL, fmt.CANCEL, fmt.REPLY, fmt.DRAIN, fmt.BYE) == (1, 2, 3, 4, 5)
-    assert (fmt.OK, fmt.ERR) == (0, 1) and (fmt.LEAF, fmt.TUPLE, fmt.LIST) == (0, 1, 2)
+    assert (fmt.OK, fmt.ERR, fmt.WHOLE) == (0, 1, 2) and (fmt.LEAF, fmt.TUPLE, fmt.LIST) == (0, 1, 2)
+    assert (fmt.SEL_INDEX, fmt.SEL_VIEW) == (1, 2)
+    assert (fmt.K_INT, fmt.K_SLICE, fmt.K_NONE, fmt.K_ELLIPSIS) == (0, 1, 2, 3)
     first = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8]
     first += [torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
     assert list(fmt.DTYPES[: len(first)]) == first
@@ -189,3 +191,62 @@ def test_error_bodies():
     assert fmt.error_message(None) == ""
     long = fmt.error_body("x" * (fmt.MAX_MESSAGE + 10))
     assert long.body.numel() == fmt.MAX_MESSAGE and len(long.message) == fmt.MAX_MESSAGE + 10
+
+
+# ---------------------------------------------------------------------------------------------- selections
+
+
+def test_selections_round_trip_through_their_words():
+    from asyncpp.engines.vllm.views import LastPosition, SplitResidual
+
+    ops = (
+        ("index", 0),
+        ("index", -1),
+        ("index", slice(None)),
+        ("index", slice(2, None, 3)),
+        ("index", (slice(None), -1)),
+        ("index", (Ellipsis, None, 5)),
+        ("index", ()),
+        ("view", SplitResidual()),
+    )
+    words = fmt.encode_selection(ops)
+    assert words.dtype == torch.int64
+    back = fmt.decode_selection(words.tolist())
+    assert back[:-1] == ops[:-1] and type(back[-1][1]) is SplitResidual
+    for key in (True, 1.5, torch.tensor([0]), [0, 1], slice(0, 2.5), 1 << 70, "a"):
+        assert not fmt.selectable_key(key), key  # (a bool is not the int it equals, as an index)
+    assert fmt.selectable_view(SplitResidual()) and not fmt.selectable_view(LastPosition())
+    assert not fmt.selectable_view(object())
+    with pytest.raises(fmt.WireError, match="cannot travel"):
+        fmt.encode_selection((("index", True),))
+    for bad, match in (
+        ([fmt.SEL_VIEW, 12345], "unknown view"),
+        ([9], "unknown operation 9"),
+        ([fmt.SEL_INDEX, 1, 7, 0], "unknown key kind 7"),
+        ([fmt.SEL_INDEX, 2, fmt.K_INT], "ends inside"),
+    ):
+        with pytest.raises(fmt.WireError, match=match):
+            fmt.decode_selection(bad)
+
+
+def test_the_owner_selects_the_part_or_hands_back_the_whole_value():
+    from asyncpp.engines.vllm.views import SplitResidual
+
+    mlp, residual = torch.randn(5, 4), torch.randn(5, 4)
+    entry = fmt.encode((mlp, residual))
+    row = fmt.select(entry, (("index", 0), ("index", -1)))
+    assert row.status == fmt.OK and row.payload_bytes == 4 * 4
+    assert torch.equal(fmt.decode(row.dtype, row.meta_words, row.payload_bytes, row.body), mlp[-1])
+    stream = fmt.select(entry, (("view", SplitResidual()), ("index", (slice(None), -1))))
+    got = fmt.decode(stream.dtype, stream.meta_words, stream.payload_bytes, stream.body)
+    assert torch.equal(got, (mlp + residual).unsqueeze(0)[:, -1])
+    assert torch.equal(residual, fmt.decode_copy(entry)[1])  # the stored value is left as it was
+    misfit = fmt.select(entry, (("index", 0), ("index", 9)))  # fails here as it would there
+    assert misfit.status == fmt.WHOLE and misfit.body is entry.body
+    with pytest.raises(IndexError):
+        fmt.apply_selection(
+            fmt.decode(misfit.dtype, misfit.meta_words, misfit.payload_bytes, misfit.body),
+            (("index", 0), ("index", 9)),
+        )
+    error = fmt.error_body("gone")
+    assert fmt.select(error, (("index", 0),)) is error and fmt.select(entry, ()) is entry

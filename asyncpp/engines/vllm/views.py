@@ -95,6 +95,7 @@ class LastPosition(ValueView):
     says why there is none."""
 
     __slots__ = ()
+    travels = False  # (its remote form is that view, which a pulled plain tensor would not be)
 
     def present(self, value: Any, block: Any) -> Any:
         return Tensor._make_subclass(LastPositionLogits, value.unsqueeze(1))

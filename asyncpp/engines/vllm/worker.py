@@ -571,6 +571,7 @@ class WorkerSession:
             "parked_pulls": len(self.stage.parked),
             "pulls": st.get("pulls", 0),
             "pull_bytes": st.get("bytes_in", 0),
+            "pulled_value_bytes": st.get("value_bytes_in", 0),
             "served_bytes": st.get("bytes_out", 0),
             **self.stage.service.held(),
         }
