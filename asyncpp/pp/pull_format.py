@@ -11,8 +11,10 @@ Nothing here sends, receives or starts a thread: these are the bytes both ends a
 * Kinds: :data:`PULL` (requester -> owner), :data:`CANCEL` (the requester gave up: the owner drops
   the waiting pull), :data:`REPLY` (owner -> requester, echoes the ticket), :data:`DRAIN` (request
   end, to every peer), :data:`BYE` (the last message a rank sends to a peer).
-* A REPLY with ``body_bytes > 0`` is followed at once by one uint8 body with the gloo message tag
-  :data:`TAG_BODY`. An ok body (status :data:`OK`) is ``meta (int64 words, padded to 16 bytes) +
+* A message whose header and body together fit in :data:`FRAME_BYTES` travels as one gloo message
+  (the header's bytes, then the body's) with :data:`TAG_HEADER`, received into a buffer of that
+  size; a longer one is its header alone, followed at once by one uint8 body with the gloo message
+  tag :data:`TAG_BODY` (:func:`inline`). Only REPLY and PULL carry bodies. An ok body (status :data:`OK`) is ``meta (int64 words, padded to 16 bytes) +
   payload``: the payload is every tensor of the value flattened into one buffer of its single dtype;
   meta encodes the structure and shapes (``[LEAF, ndim, *shape]`` or ``[TUPLE|LIST, n,
   *children]``). An error body (status :data:`ERR`) is the UTF-8 message. Status :data:`WHOLE` is
@@ -62,6 +64,13 @@ OK, ERR, WHOLE = 0, 1, 2
 LEAF, TUPLE, LIST = 0, 1, 2
 
 MAX_MESSAGE = 1 << 16  # bytes of an error body at most
+FRAME_BYTES = HEADER_BYTES + (1 << 16)  # a header and a body up to 64 KiB: one gloo message
+
+
+def inline(body_bytes: int) -> bool:
+    """Whether a body of this size travels in its header's message (else in one of its own)."""
+    return HEADER_BYTES + body_bytes <= FRAME_BYTES
+
 
 # Same order on every rank (same torch build): the index is the wire code.
 DTYPES: tuple[torch.dtype, ...] = tuple(

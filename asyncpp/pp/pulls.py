@@ -11,11 +11,13 @@ applies it and ships only that part.
 Replies are routed to the waiting pull by ticket (unique per requester), so several pulls, from any
 number of threads, can be outstanding at once; a reply to an abandoned pull is read and dropped.
 
-gloo send/recv is a rendezvous (a send completes only once the peer posted the matching recv), so all
-sends of a rank go through one sender thread and the listener never sends: a listener only ever waits for
-a header (from anyone) or for the body its sender is about to send, hence no cycle of waits. A reply's
-body follows its header at once, from the same sender thread; the listener receives it from that source
-only. The listener stops once every peer said BYE.
+gloo send/recv is a rendezvous (a send completes only once the peer posted the matching recv), so no
+thread ever waits for its own send: whichever thread makes a message (the block's, asking for a value;
+the listener, answering one) posts it at once, header and body back to back under one lock, and a
+completion thread waits for the posted sends in order (reporting failures). A listener only ever waits
+for a header (from anyone) or for the body that follows one from the same source, hence no cycle of
+waits, and a pull crosses with no thread hand-off on the sending sides. The listener stops once every
+peer said BYE.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class PullHandle:
         "pending",
         "collected",
         "select",
+        "made",
     )
 
     def __init__(
@@ -107,6 +110,7 @@ class PullHandle:
         self.pending = pending  # None: a pull from this rank itself
         self.collected = False  # waited on or cancelled
         self.select = select  # the selection the value comes back with (pull_format's operations)
+        self.made = time.perf_counter()
 
     def answered(self) -> bool:
         """Whether waiting on it now returns at once: the owner answered (with the value or an
@@ -118,7 +122,7 @@ class PullHandle:
 
 @dataclass
 class _Out:
-    """One message for the sender thread: a header and an optional body, sent back to back."""
+    """One message: a header and an optional body, posted back to back."""
 
     dst: int
     header: torch.Tensor
@@ -161,6 +165,8 @@ class PullService:
                 "bytes_in",  # pull traffic (requests, cancels, replies: header + body)
                 "bytes_out",
                 "value_bytes_in",  # of which the values' own bytes (ok replies' tensor data)
+                "waited",  # remote pulls collected with their value
+                "wait_us",  # their time from the request to the value in hand, summed
                 "ctrl_bytes_in",  # drain / goodbye traffic
                 "ctrl_bytes_out",
             ),
@@ -176,9 +182,11 @@ class PullService:
         self._drains: dict[int, set[int]] = {}  # the peers that said they are done with a request
         self._released: dict[int, None] = {}  # released here, waiting for the peers' DRAIN
         self._byes_in: set[int] = set()
-        self._outbox: queue.SimpleQueue[_Out | None] = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # posts a message's header and body back to back
+        self._said_bye: set[int] = set()  # peers sent a goodbye: nothing may follow it
+        self._posted: queue.SimpleQueue[tuple[_Out | None, list[Any]] | None] = queue.SimpleQueue()
         self._listener: threading.Thread | None = None
-        self._sender: threading.Thread | None = None
+        self._sender: threading.Thread | None = None  # waits for the posted sends to complete
         self._started = False
         self._closed = False
         self._broken: str | None = None
@@ -213,7 +221,7 @@ class PullService:
         if self.world == 1:
             return
         self._sender = threading.Thread(
-            target=self._send_loop, name=f"asyncpp-pp-send-{self.rank}", daemon=True
+            target=self._complete_loop, name=f"asyncpp-pp-send-{self.rank}", daemon=True
         )
         self._listener = threading.Thread(
             target=self._listen_loop, name=f"asyncpp-pp-listen-{self.rank}", daemon=True
@@ -247,7 +255,7 @@ class PullService:
         for peer in range(self.world):
             if peer != self.rank:
                 self._post(_Out(peer, fmt.header(fmt.BYE, self.rank), ctrl=True))
-        self._outbox.put(None)
+        self._posted.put(None)
         deadline = time.monotonic() + self.close_grace_s
         for thread in (self._sender, self._listener):
             if thread is not None and thread is not threading.current_thread():
@@ -429,6 +437,10 @@ class PullService:
             raise PullError(f"pull of {where} from stage {owner} failed: {exc}") from None
         if h.status == fmt.WHOLE:  # the owner could not select: it fails here as on one stage
             value = fmt.apply_selection(value, handle.select)
+        took = int((time.perf_counter() - handle.made) * 1e6)
+        with self._lock:
+            self.stats["waited"] += 1
+            self.stats["wait_us"] += took
         return value
 
     def cancel(self, handle: PullHandle) -> None:
@@ -523,10 +535,39 @@ class PullService:
                 pending.event.set()
 
     def _post(self, out: _Out) -> None:
-        """Queue a message for the sender thread.  It is counted now, so that once any API call returns,
-        the counters include what it sent (the send itself may complete a little later)."""
+        """Post a message now (its sends complete once the peer receives them; the completion thread
+        waits for that).  It is counted now, so that once any API call returns, the counters include
+        what it sent."""
         self._account(out, 1)
-        self._outbox.put(out)
+        with self._send_lock:
+            if out.dst in self._said_bye:
+                return  # nothing may follow a goodbye: the peer's listener may be gone
+            works: list[Any] = []
+            body = out.body if out.body is not None and out.body.numel() > 0 else None
+            try:
+                if body is not None and fmt.inline(body.numel()):  # one message: header, then body
+                    frame = torch.cat([out.header.view(torch.uint8), body])
+                    works.append(self.group.send([frame], out.dst, fmt.TAG_HEADER))
+                else:
+                    works.append(self.group.send([out.header], out.dst, fmt.TAG_HEADER))
+                    if body is not None:
+                        works.append(self.group.send([body], out.dst, fmt.TAG_BODY))
+            except Exception as exc:
+                error: BaseException | None = exc
+            else:
+                error = None
+                if int(out.header[fmt.H_KIND]) == fmt.BYE:
+                    self._said_bye.add(out.dst)
+            # what was posted must be waited for, even after an error (reported here, not again)
+            self._posted.put((out if error is None else None, works))
+        if error is not None:
+            self._failed(out, error)
+
+    def _failed(self, out: _Out, exc: BaseException) -> None:
+        self._account(out, -1)  # it never left
+        log.warning("stage %d could not send to stage %d: %s", self.rank, out.dst, exc)
+        if out.on_fail is not None:
+            out.on_fail(exc)
 
     def _account(self, out: _Out, sign: int) -> None:
         nbytes = fmt.HEADER_BYTES + (0 if out.body is None else out.body.numel())
@@ -539,44 +580,42 @@ class PullService:
 
     # ------------------------------------------------------------------ threads
 
-    def _send_loop(self) -> None:
-        """The only thread that sends: header then body of one message, back to back, in queue order."""
-        said_bye: set[int] = set()
+    def _complete_loop(self) -> None:
+        """Wait for every posted send to complete, in posting order (a send's buffers live until it
+        has), and report the ones that failed."""
         while True:
-            out = self._outbox.get()
-            if out is None:
+            item = self._posted.get()
+            if item is None:
                 return
-            if out.dst in said_bye:
-                continue  # nothing may follow a goodbye: the peer's listener may be gone
+            out, works = item
             try:
-                self.group.send([out.header], out.dst, fmt.TAG_HEADER).wait()
-                if out.body is not None and out.body.numel() > 0:
-                    self.group.send([out.body], out.dst, fmt.TAG_BODY).wait()
+                for work in works:
+                    work.wait()
             except Exception as exc:
-                self._account(out, -1)  # it never left
-                log.warning("stage %d could not send to stage %d: %s", self.rank, out.dst, exc)
-                if out.on_fail is not None:
-                    out.on_fail(exc)
-                continue
-            if int(out.header[fmt.H_KIND]) == fmt.BYE:
-                said_bye.add(out.dst)
+                if out is not None:
+                    self._failed(out, exc)
 
     def _listen_loop(self) -> None:
-        """Receive headers from anyone (and the body after a reply header) until every peer said BYE."""
+        """Receive messages from anyone (and a long body after its header, from the same source) until
+        every peer said BYE."""
         peers = self.world - 1
+        frame = torch.empty(fmt.FRAME_BYTES, dtype=torch.uint8)  # (a message may be shorter)
+        head = frame[: fmt.HEADER_BYTES].view(torch.int64)
         try:
             while True:
                 with self._lock:
                     if len(self._byes_in) >= peers:
                         return
-                words = torch.empty(fmt.HEADER_WORDS, dtype=torch.int64)
-                work = self.group.recv_anysource([words], fmt.TAG_HEADER)
+                work = self.group.recv_anysource([frame], fmt.TAG_HEADER)
                 work.wait(_FOREVER)
-                h = self._parse(words.tolist())
+                h = self._parse(head.tolist())
                 body = None
                 if h.kind in (fmt.REPLY, fmt.PULL) and h.body_bytes > 0:
-                    body = torch.empty(h.body_bytes, dtype=torch.uint8)
-                    self.group.recv([body], h.sender, fmt.TAG_BODY).wait(_FOREVER)
+                    if fmt.inline(h.body_bytes):
+                        body = frame[fmt.HEADER_BYTES : fmt.HEADER_BYTES + h.body_bytes].clone()
+                    else:
+                        body = torch.empty(h.body_bytes, dtype=torch.uint8)
+                        self.group.recv([body], h.sender, fmt.TAG_BODY).wait(_FOREVER)
                 self._dispatch(h, body)
         except Exception as exc:
             with self._lock:

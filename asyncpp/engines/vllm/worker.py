@@ -572,6 +572,8 @@ class WorkerSession:
             "pulls": st.get("pulls", 0),
             "pull_bytes": st.get("bytes_in", 0),
             "pulled_value_bytes": st.get("value_bytes_in", 0),
+            "pulls_waited": st.get("waited", 0),
+            "pull_wait_us": st.get("wait_us", 0),
             "served_bytes": st.get("bytes_out", 0),
             **self.stage.service.held(),
         }
