@@ -29,6 +29,7 @@ import torch
 
 from ..kernel.errors import AsyncppError
 from ..kernel.traps import PULL
+from .pull_format import selectable_key, selectable_view
 
 _UNSET = object()
 
@@ -343,8 +344,6 @@ def pull_plan(obj: Any) -> list[tuple[LazyValue, RemoteValue, tuple]]:
 def _selection(node: Lazy) -> tuple[RemoteValue, tuple] | None:
     """``(leaf, select)`` when ``node`` is a chain of selections over a remote value not pulled
     yet, else None."""
-    from .pull_format import selectable_key, selectable_view
-
     ops: list[tuple[str, Any]] = []
     x: Any = node
     while isinstance(x, Lazy):
