@@ -136,7 +136,7 @@ async def logit_lens(m, w_norm, w_lm, eps, keep_resid=False):
     lens, resid = [], []
     for layer in m.model.layers:
         out = await layer.output  # (mlp_out, residual): index, never unpack (a remote value)
-        h = (out[0] + out[1])[-1]
+        h = out[0][-1] + out[1][-1]  # the last row of each first: only those cross stages
         lens.append((F.rms_norm(h, (w_norm.shape[0],), w_norm, eps) @ w_lm.T).clone())
         if keep_resid:  # the residual stream the lens reads, to compare engines by it too
             resid.append(h.clone())
@@ -816,8 +816,9 @@ def render(
         "run concurrently in one trace). Reading, steering, ablating and patching pull nothing (a "
         "returned value computed from one stage's values alone is returned by that stage); the lens "
         "pulls: its value mixes an upstream layer's output with tensors the block holds (the norm "
-        "and unembedding weights), so the downstream stage computes it too, pulling the whole layer "
-        "output `(mlp_out, residual)`, every token. The "
+        "and unembedding weights), so the downstream stage computes it too, pulling what it uses: "
+        "the last token's row of `mlp_out` and of `residual` (`out[0][-1] + out[1][-1]`; the "
+        "owner selects them). The "
         f"wall time ratio divides the medians of {runs} each, after an untimed warm-up run whose "
         "cells are the ones compared. The two baseline rows run blocks that only return the logits "
         "(of the prompt; of every generation step): their ratio is what the pipeline split itself "

@@ -72,7 +72,7 @@ class _Store(remote.Resolver):
     """The values a stage could pull, as the transport would deliver them."""
 
     def __init__(self, stage: int, values: dict[str, torch.Tensor]):
-        self._stage, self.values, self.pulls = stage, values, []
+        self._stage, self.values, self.pulls, self.rounds = stage, values, [], []
 
     def stage(self) -> int:
         return self._stage
@@ -83,6 +83,10 @@ class _Store(remote.Resolver):
     def fetch(self, leaf: RemoteValue, select: tuple = ()):
         self.pulls.append(leaf.where if not select else (leaf.where, select))
         return fmt.apply_selection(self.values[leaf.where], select)
+
+    def fetch_all(self, plan):
+        self.rounds.append(len(plan))  # one round: every pull of the plan is sent, then waited for
+        return super().fetch_all(plan)
 
 
 @pytest.fixture
@@ -169,3 +173,13 @@ def test_a_selection_forced_at_once_is_pulled_once_and_not_recomputed(store):
     row = up[0][-1]
     assert torch.equal(row.force(), store.values["layers.0.output"][0][-1])
     assert store.pulls == [("layers.0.output", (("index", 0), ("index", -1)))]  # nothing else
+
+
+def test_values_forced_together_are_pulled_in_one_round(store):
+    a = RemoteValue(0, 7, 9, 0, 0, "layers.0.output")
+    b = RemoteValue(0, 7, 10, 0, 0, "layers.3.output")
+    both = torch.stack([a[0], b[-1]])  # two selections, of two remote values
+    assert torch.equal(
+        both.force(), torch.stack([store.values["layers.0.output"][0], store.values["layers.3.output"][-1]])
+    )
+    assert store.rounds == [2] and len(store.pulls) == 2
