@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import json
 import logging
 import math
@@ -29,7 +28,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_BLOCK_BUDGET", "main", "parse_args"]
+from ..engines.vllm.options import is_loopback
+
+__all__ = ["DEFAULT_BLOCK_BUDGET", "is_loopback", "main", "parse_args"]
 
 DEFAULT_BLOCK_BUDGET = 2.0  # seconds per block per generation step
 
@@ -45,7 +46,7 @@ _VALUE_OPTIONS = {
     "--block-budget",
     "--log-level",
 }
-_FLAG_OPTIONS = {"--allow-code", "--help", "-h"}
+_FLAG_OPTIONS = {"--allow-code", "--headless", "--help", "-h"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         f"fails (default: {DEFAULT_BLOCK_BUDGET:g}, none on tensor-parallel engines; 0: no budget)",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--headless", action="store_true",
+        help="run node --node-rank K (1 or more) of a multi-node engine: its vLLM workers only, no "
+        "server; give the head's --nnodes, --master-addr, --master-port and the same model and engine "
+        "options (docs/scale-out.md)",
+    )  # fmt: skip
     return p
 
 
@@ -160,15 +167,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, d
     return args, engine
 
 
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _bind(host: str, port: int) -> socket.socket:
     host = host.strip("[]")
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -201,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(argv: Sequence[str]) -> int:
     args, engine_options = parse_args(argv)
     _logging(args.log_level)
+    if args.headless:
+        return _headless(args, engine_options)
 
     from .app import ServeLimits, create_app
     from .auth import TokenError, load_tokens
@@ -291,6 +291,22 @@ def serve(argv: Sequence[str]) -> int:
         engine.close()
         sock.close()
         _say("stopped", err=True)
+    return 0
+
+
+def _headless(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    """``asyncpp serve --headless --node-rank K ...``: one of the other nodes of a multi-node engine."""
+    from ..engines.vllm import run_node
+
+    missing = [f"--{k.replace('_', '-')}" for k in ("nnodes", "node_rank") if k not in engine_options]
+    if missing:
+        _say(f"error: --headless needs {' and '.join(missing)} (see docs/scale-out.md)", err=True)
+        return 2
+    try:
+        run_node(args.model, **engine_options)
+    except (TypeError, ValueError) as e:
+        _say(f"error: bad engine option: {e}", err=True)
+        return 2
     return 0
 
 

@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import gc
 import itertools
-import os
 import sys
 import threading
 import time
@@ -39,13 +38,13 @@ from ..bridge import await_future
 from ..inputs import InputError, token_rows
 from . import console, lifeline
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
+from .links import LinkServer
+from .options import engine_options, local_workers, nodes, size
 from .packing import pack_block, unpack_outcome
 from .stream import Receiver
-from .taps import TAPS_VERSION, TapPlan, check_patterns, standard_patterns
+from .taps import TapPlan, standard_patterns
 from .views import PRESENTERS
 from .watch import Proc, Watch
-
-WORKER = "asyncpp.engines.vllm.worker.AsyncppWorker"
 
 
 class VllmEngine(Engine):
@@ -94,56 +93,42 @@ class VllmEngine(Engine):
         mode: str | None = None,
         taps: Sequence[str] = (),
         standard_view: bool = True,
+        node_timeout: float = 300,
         **vllm_options: Any,
     ):
-        default_model = model is None
-        if model is None:
-            from ...models import tiny_model_dir
-
-            model = tiny_model_dir()
-            # a float32 checkpoint: vLLM's "auto" would run it in bfloat16, whose CPU kernels need
-            # instructions not every machine has (a worker died of SIGILL on one here)
-            vllm_options.setdefault("dtype", "float32")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.vllm_logs = console.want_logs(vllm_logs)
         _check_budget(block_budget, vllm_options)
         self.block_budget = block_budget
         self.standard_view = standard_view
-        self.mode = _mode(mode, vllm_options.pop("enforce_eager", None))
-        patterns = check_patterns(taps)
-        if patterns and self.mode == "eager":
+        built = engine_options(
+            model,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib,
+            vllm_logs=self.vllm_logs,
+            mode=mode,
+            taps=taps,
+            **vllm_options,
+        )
+        options, self.mode, patterns, default_model = (
+            built.options,
+            built.mode,
+            built.patterns,
+            built.default_model,
+        )
+        if int(options.get("node_rank", 0) or 0) != 0:
             raise ValueError(
-                "taps=... is for compiled engines (mode='compiled' or 'auto'): eager engines serve "
-                "every location"
+                f"node_rank={options['node_rank']}: VllmEngine is the head node (node_rank 0) of a "
+                f"multi-node engine; start the other nodes with asyncpp.engines.vllm.run_node(...) "
+                f"or `asyncpp serve --headless --node-rank N ...` (docs/scale-out.md)"
             )
-        options = {
-            "model": str(model),
-            "enforce_eager": self.mode == "eager",
-            "enable_prefix_caching": False,
-            "enable_chunked_prefill": False,
-            "long_prefill_token_threshold": 0,  # > 0 splits prompts even with chunking off
-            "max_model_len": max_model_len,
-            "max_num_batched_tokens": max(
-                max_model_len, int(vllm_options.pop("max_num_batched_tokens", 0) or 0)
-            ),
-            "worker_cls": WORKER,
-            "kv_cache_memory_bytes": int(kv_cache_gib * 2**30),
-        }
-        if not self.vllm_logs:
-            options["use_tqdm_on_load"] = False  # the weight-loading progress bar
-        options.update(vllm_options)
-        extra = dict(options.get("additional_config") or {})
-        # the tap patterns; each worker resolves them and keys vLLM's compile cache by the result
-        extra[EXTRA_KEY] = {"taps": patterns, "taps_version": TAPS_VERSION, "auto": self.mode == "auto"}
-        options["additional_config"] = extra
-        if options["worker_cls"] != WORKER:
-            raise ValueError("VllmEngine needs asyncpp's worker class; leave worker_cls unset")
+        #: seconds the start waits for the other nodes of a multi-node engine (``nnodes > 1``)
+        self.node_timeout = float(node_timeout)
         self.options = options
         self._closed = False
         self._dead: str | None = None  # why the engine is dead, once it is
         self._watch: Watch | None = None
         self._receiver: Receiver | None = None  # streamed values (made on the engine's loop)
+        self._links: LinkServer | None = None  # a multi-node engine's links to its workers
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncpp-vllm", daemon=True)
         self._thread.start()
@@ -157,13 +142,13 @@ class VllmEngine(Engine):
         start = None
         try:
             with (
-                console.starting_env(self.vllm_logs, _workers(options)),
+                console.starting_env(self.vllm_logs, local_workers(options)),
                 quiet.redirect() if quiet else contextlib.nullcontext(),
             ):
                 # started inside: vLLM reads its logging level from the environment as it makes
                 # the engine's config, at once when vLLM is already imported
                 start = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
-                self._llm, entries, procs = self._starting(start)
+                self._llm, entries, procs = self._starting(start, before)
         except BaseException as e:
             progress.done("failed after")
             if start is not None and not isinstance(e, Exception):  # interrupted: vLLM's start
@@ -214,12 +199,28 @@ class VllmEngine(Engine):
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    @staticmethod
-    def _starting(start: concurrent.futures.Future) -> Any:
+    def _starting(self, start: concurrent.futures.Future, before: set[int]) -> Any:
         # woken twice a second, so that a signal's handler (Ctrl-C) runs while vLLM starts
+        n = nodes(self.options)
+        deadline = time.monotonic() + self.node_timeout if n > 1 else None
         while not start.done():
             concurrent.futures.wait([start], timeout=0.5)
+            if deadline is not None and time.monotonic() > deadline and not start.done():
+                self._abandon(start, before)
+                raise AsyncppError(self._nodes_missing(n))
         return start.result()
+
+    def _nodes_missing(self, n: int) -> str:
+        addr = self.options.get("master_addr")
+        port = self.options.get("master_port") or 29501  # (vLLM's default)
+        return (
+            f"this multi-node engine (nnodes={n}) did not start within node_timeout="
+            f"{self.node_timeout:g} s: vLLM waits for the workers of every node to join at "
+            f"{addr}:{port}. Start nodes 1 to {n - 1} with asyncpp.engines.vllm.run_node(...) or "
+            f"`asyncpp serve --headless --nnodes {n} --node-rank K --master-addr {addr} --master-port "
+            f"{port} ...` with the same model and options, and check that they reach {addr}:{port} "
+            f"(or give a slow start a larger node_timeout)"
+        )
 
     def _abandon(self, start: concurrent.futures.Future, before: set[int]) -> None:
         """The start was interrupted (Ctrl-C; a server's SIGTERM) while vLLM's start goes on in the
@@ -237,11 +238,18 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._died = asyncio.get_running_loop().create_future()
-        self._receiver = Receiver(_size(self.options, "pipeline_parallel_size"))
+        stages = size(self.options, "pipeline_parallel_size")
+        if nodes(self.options) > 1:  # the other nodes' workers connect over TCP
+            from vllm.utils.network_utils import get_ip
+
+            self._receiver = Receiver(stages, get_ip())
+            self._links = LinkServer(get_ip(), self._receiver.secret, self._on_lost)
+        else:
+            self._receiver = Receiver(stages)
         try:
             llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.options))
         except BaseException:
-            await self._receiver.close()
+            await self._close_channels()
             raise
         try:
             if self._abandoned.is_set():
@@ -255,23 +263,38 @@ class VllmEngine(Engine):
                     f"it with the raw module tree only"
                 )
             entries = (await llm.collective_rpc("asyncpp_tree"))[0]
-            stats = await llm.collective_rpc("asyncpp_stats")
-            await llm.collective_rpc("asyncpp_stream", args=(self._receiver.address,))
+            where = await llm.collective_rpc("asyncpp_where")
+            link = None if self._links is None else self._links.address
+            await llm.collective_rpc(
+                "asyncpp_stream", args=(self._receiver.address, self._receiver.secret, link)
+            )
             if self.block_budget is not None:
                 await llm.collective_rpc("asyncpp_budget", args=(self.block_budget,))
         except BaseException:
             llm.shutdown()
-            await self._receiver.close()
+            await self._close_channels()
             raise
-        return llm, entries, self._procs(llm, [s["pid"] for s in stats])
+        return llm, entries, self._procs(llm, where)
 
-    def _procs(self, llm: Any, pids: list[int]) -> list[Proc]:
-        """vLLM's processes: every worker (named by rank) and the engine core."""
-        pp, tp = _size(self.options, "pipeline_parallel_size"), _size(self.options, "tensor_parallel_size")
+    async def _close_channels(self) -> None:
+        """Close the stream channel and a multi-node engine's links (the headless nodes' workers
+        then end their nodes)."""
+        if self._links is not None:
+            self._links.stop()
+        if self._receiver is not None:
+            await self._receiver.close()
+
+    def _procs(self, llm: Any, where: list[dict[str, Any]]) -> list[Proc]:
+        """vLLM's processes on this host (their pids mean something here): its workers (named
+        by rank) and the engine core. A multi-node engine learns of the others' ends through
+        their connections (:meth:`_on_lost`)."""
+        here = lifeline.host_id()
         procs = []
-        for rank, pid in enumerate(pids):
-            where = f", pipeline stage {rank // tp}, tensor-parallel rank {rank % tp}" if pp * tp > 1 else ""
-            procs.append(Proc(f"vLLM worker rank {rank}", int(pid), True, where))
+        for rank, w in enumerate(where):
+            if w["host"] == here:
+                procs.append(
+                    Proc(f"vLLM worker rank {rank}", int(w["pid"]), True, self._where(rank, w["node"]))
+                )
         manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
         for proc in getattr(manager, "processes", None) or ():
             if proc.pid is not None:
@@ -280,8 +303,9 @@ class VllmEngine(Engine):
 
     # --- a dead engine --------------------------------------------------------------------------
 
-    def _on_death(self, proc: Proc, status: str | None) -> None:
-        """The watch thread: one of vLLM's processes ended while the engine was open."""
+    def _on_death(self, proc: Proc, status: str | None, why: str | None = None) -> None:
+        """The watch thread: one of vLLM's processes ended while the engine was open (``why``
+        says so, if the process is not one of this host's)."""
         if self._closed or self._dead is not None:
             return
         resources = getattr(getattr(self._llm, "engine_core", None), "resources", None)
@@ -289,11 +313,42 @@ class VllmEngine(Engine):
             # vLLM's engine core reported a failure first: it stops its workers itself
             why = "vLLM's engine core failed (vLLM logged the cause above)"
         else:
-            why = f"{proc.name} (pid {proc.pid}{proc.where}) died" + (f", {status}" if status else "")
+            if why is None:
+                why = f"{proc.name} (pid {proc.pid}{proc.where}) died" + (f", {status}" if status else "")
             if proc.worker and self._watch is not None:
                 self._watch.kill_workers(but=proc)
         self._dead = why
         self._loop.call_soon_threadsafe(self._mark_dead)
+
+    def _on_lost(self, rank: int, peer: str) -> None:
+        """The links' thread: the link of worker ``rank`` of a multi-node engine ended while the
+        engine was open. A worker on this host is named by the watch, with how it ended: this
+        waits a moment for it."""
+        if self._closed or self._dead is not None:
+            return
+
+        def lost() -> None:
+            if self._closed or self._dead is not None:
+                return
+            at = f" at {peer}" if peer else ""
+            self._on_death(
+                Proc(f"vLLM worker rank {rank}", 0, True),
+                None,
+                f"the link to vLLM worker rank {rank}{self._where(rank)}{at} was lost: the worker "
+                f"or its node ended, or the network between the nodes failed",
+            )
+
+        timer = threading.Timer(1.0, lost)
+        timer.daemon = True
+        timer.start()
+
+    def _where(self, rank: int, node: int | None = None) -> str:
+        """``, pipeline stage S, tensor-parallel rank T, node N`` for worker ``rank``."""
+        pp, tp = size(self.options, "pipeline_parallel_size"), size(self.options, "tensor_parallel_size")
+        at = f", pipeline stage {rank // tp}, tensor-parallel rank {rank % tp}" if pp * tp > 1 else ""
+        if nodes(self.options) > 1:
+            at += f", node {rank // local_workers(self.options) if node is None else node}"
+        return at
 
     def _mark_dead(self) -> None:
         if not self._died.done():
@@ -420,8 +475,7 @@ class VllmEngine(Engine):
             try:
                 llm.shutdown(timeout=60)  # let vLLM's processes stop by themselves (no forced kill)
             finally:
-                if self._receiver is not None:
-                    await self._receiver.close()
+                await self._close_channels()
 
         try:
             self._call(shutdown(self._llm))
@@ -649,34 +703,11 @@ class VllmEngine(Engine):
         return (None if merged is NOT_HERE else merged), None
 
 
-MODES = ("auto", "compiled", "eager")
-
-
-def _mode(mode: str | None, enforce_eager: Any) -> str:
-    """The engine's mode, from ``mode`` or vLLM's own ``enforce_eager`` (not both)."""
-    if mode is not None and enforce_eager is not None:
-        raise ValueError("pass mode='auto', 'compiled' or 'eager', not enforce_eager as well")
-    if mode is None:
-        return "eager" if enforce_eager else "auto"
-    if mode not in MODES:
-        raise ValueError(f"mode must be 'auto', 'compiled' or 'eager', not {mode!r}")
-    return mode
-
-
-def _size(options: dict[str, Any], key: str) -> int:
-    """``tensor_parallel_size`` or ``pipeline_parallel_size`` of these engine options."""
-    return int(options.get(key, 1) or 1)
-
-
-def _workers(options: dict[str, Any]) -> int:
-    return _size(options, "tensor_parallel_size") * _size(options, "pipeline_parallel_size")
-
-
 def _check_budget(seconds: float | None, options: dict[str, Any]) -> None:
     if seconds is None:
         return
     StepBudget.check(seconds)
-    if _size(options, "tensor_parallel_size") > 1:
+    if size(options, "tensor_parallel_size") > 1:
         raise ValueError(
             "block_budget is not supported with tensor_parallel_size > 1: every rank runs every "
             "block and must make the same decisions, but each rank's clock could stop a block at a "

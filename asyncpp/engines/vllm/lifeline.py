@@ -53,9 +53,28 @@ def driver_token(pid: int | None = None) -> str:
     return f"{_boot_id()}:{pid}:{start_time(pid)}"
 
 
-def _end(target: int) -> None:
+def host_id() -> str:
+    """What names this host's process table: its boot id and this process's pid namespace (a
+    pid means the same process only where both are the same)."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{_boot_id()}/{ns}"
+
+
+def end_node(peer: str = "") -> None:
+    """In a worker of a headless node: the driver's connection is lost (the head node has
+    closed its engine, or is gone): end this node (the node process, this worker's parent)."""
+    at = f" ({peer})" if peer else ""
+    _end(os.getppid(), f"asyncpp: the connection to the engine's head node{at} is lost; ending this node")
+
+
+def _end(
+    target: int, why: str = "asyncpp: the process that started this engine has ended; shutting vLLM down"
+) -> None:
     """SIGTERM ``target``; SIGKILL it if it is still there after :data:`GRACE_S`."""
-    log.warning("asyncpp: the process that started this engine has ended; shutting vLLM down")
+    log.warning(why)
     try:
         os.kill(target, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S

@@ -45,6 +45,7 @@ from typing import Any
 import cloudpickle
 
 from ...pp.merge import NOT_HERE, merge
+from . import links
 from .packing import RemoteBlockError
 
 VALUE, END, MARK = "v", "e", "m"
@@ -72,7 +73,8 @@ class Sender:
         self.sent = 0  # messages sent (stats)
         self._held: list | None = None  # ends kept to go as one message (see hold)
 
-    def connect(self, address: str, stage: int, sends: bool) -> None:
+    def connect(self, address: str, stage: int, sends: bool, secret: str | None = None) -> None:
+        """Connect to the driver's :class:`Receiver` (``secret``: a multi-node engine's)."""
         self.stage = stage
         if not sends or self._sock is not None:
             return
@@ -82,7 +84,10 @@ class Sender:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the forward: queue whatever the driver has not read
         sock.setsockopt(zmq.LINGER, 2000)  # at exit, give queued messages a moment, then go
-        sock.connect(address)
+        if secret is None:
+            sock.connect(address)
+        else:
+            links.connect_securely(sock, address, secret)
         self._sock = sock
 
     def value(self, aid: str, n: int, value: Any) -> None:
@@ -181,19 +186,32 @@ class Receiver:
     One reader only, in order: a second reader on the same socket (an asyncio task awaiting a
     message beside :meth:`drain`) could hold a step's value while the step's mark is handled."""
 
-    def __init__(self, stages: int):
+    def __init__(self, stages: int, host: str | None = None):
+        """``host``: a multi-node engine's, the address of this node the other nodes reach (TCP,
+        authenticated: see ``links.py``); None: one node (``ipc://``)."""
         import zmq
 
         self.stages = stages
         self.streams: dict[str, Stream] = {}  # asyncpp request id -> its stream
         self.received = 0  # messages (stats)
         self._dir = tempfile.mkdtemp(prefix="asyncpp-")
-        self.address = f"ipc://{os.path.join(self._dir, uuid.uuid4().hex[:8])}"
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self.address)
+        self._auth = None
+        #: what a worker needs to connect besides the address (None on one node)
+        self.secret: str | None = None
+        if host is None:
+            self.address = f"ipc://{os.path.join(self._dir, uuid.uuid4().hex[:8])}"
+            self._sock.bind(self.address)
+        else:
+            self.secret = links.new_secret()
+            self._auth = links.serve_securely(self._ctx, self._sock, self.secret)
+            if ":" in host:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            port = self._sock.bind_to_random_port(links.tcp_endpoint(host))
+            self.address = f"{links.tcp_endpoint(host)}:{port}"
         self._again = zmq.Again
         self._noblock = zmq.NOBLOCK
         self._loop = asyncio.get_running_loop()
@@ -366,5 +384,7 @@ class Receiver:
         for aid in list(self.streams):
             self.drop(aid)
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -46,6 +46,7 @@ from ...pp.stage import StageSession
 from . import lifeline, taps
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
+from .links import hold_link
 from .packing import pack_outcome, unpack_block
 from .stream import Sender
 from .tensor_parallel import find_shardings
@@ -114,9 +115,19 @@ class AsyncppWorker(CPUWorker):
         """How much per-request state this worker holds (for leak checks)."""
         return self.asyncpp.stats()
 
-    def asyncpp_stream(self, address: str) -> bool:
-        """Connect to the driver's channel for streamed values; whether this rank sends on it."""
-        return self.asyncpp.connect(address)
+    def asyncpp_stream(self, address: str, secret: str | None = None, link: str | None = None) -> bool:
+        """Connect to the driver's channel for streamed values; whether this rank sends on it. A
+        multi-node engine's also give its ``secret`` and the address of the driver's links (see
+        ``links.py``)."""
+        return self.asyncpp.connect(address, secret, link)
+
+    def asyncpp_where(self) -> dict[str, Any]:
+        """Where this worker runs: its pid, its host (:func:`lifeline.host_id`) and its node."""
+        return {
+            "pid": os.getpid(),
+            "host": lifeline.host_id(),
+            "node": int(self.vllm_config.parallel_config.node_rank or 0),
+        }
 
     def asyncpp_eager_steps(self) -> int:
         """How many steps this worker has run eagerly on an auto engine."""
@@ -157,6 +168,7 @@ class WorkerSession:
         self.of_block: dict[int, _Request] = {}  # id(block) -> its request
         self._starting: _Request | None = None  # the request whose block is starting
         self.sender = Sender()
+        self.link: Any = None  # a multi-node engine's link to the driver (links.py)
         self.local_tree: list[tuple[str, str]] | None = None
         self.graft_cost: GraftCost | None = None
         self.warmup_seconds = 0.0  # vLLM's warm-up forward (compiles the model on compiled engines)
@@ -455,11 +467,16 @@ class WorkerSession:
 
     # --- streamed values ------------------------------------------------------------------------
 
-    def connect(self, address: str) -> bool:
+    def connect(self, address: str, secret: str | None = None, link: str | None = None) -> bool:
+        import torch.distributed as dist
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         sends = get_tp_group().rank_in_group == 0
-        self.sender.connect(address, get_pp_group().rank_in_group, sends)
+        self.sender.connect(address, get_pp_group().rank_in_group, sends, secret)
+        if link is not None and secret is not None and self.link is None:
+            # on a headless node, a lost link means the head node has closed or is gone
+            headless = int(self.runner.vllm_config.parallel_config.node_rank or 0) > 0
+            self.link = hold_link(link, secret, dist.get_rank(), lifeline.end_node if headless else None)
         return sends
 
     def _on_emit(self, block: Block, value: Any) -> None:
