@@ -3,8 +3,8 @@
 The tests come in tiers, one folder each, and each test is marked with its folder's name:
 ``unit`` (the kernel, the wire formats, merge, ownership and graft, driven directly), ``local``
 (LocalEngine on real torch and Hugging Face models), ``vllm`` (real vLLM engines and servers on
-CPU) and ``pp`` (pipeline parallel: spawned gloo ranks, and vLLM engines, which are also marked
-``vllm``). ``pytest -m "not vllm"`` is the quick loop; ``pytest`` runs everything.
+CPU), ``pp`` (pipeline parallel: spawned gloo ranks, and vLLM engines, which are also marked
+``vllm``) and ``multinode`` (vLLM engines spanning two node processes on this host, also ``vllm``). ``pytest -m "not vllm"`` is the quick loop; ``pytest`` runs everything.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def engine(tiny):
     eng.close()
 
 
-TIERS = ("unit", "local", "vllm", "pp")
+TIERS = ("unit", "local", "vllm", "pp", "multinode")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

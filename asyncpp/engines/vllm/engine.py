@@ -473,7 +473,9 @@ class VllmEngine(Engine):
 
         async def shutdown(llm: Any) -> None:
             try:
-                llm.shutdown(timeout=60)  # let vLLM's processes stop by themselves (no forced kill)
+                # let vLLM's processes stop by themselves (no forced kill), unless one has died:
+                # the engine core may be waiting on it, and would use the whole grace period
+                llm.shutdown(timeout=60 if self._dead is None else 5)
             finally:
                 await self._close_channels()
 

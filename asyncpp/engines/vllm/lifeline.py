@@ -119,6 +119,31 @@ def watch_driver(token: str | None = None) -> threading.Thread | None:
     return thread
 
 
+def watch_parent() -> threading.Thread | None:
+    """In a vLLM worker: end this process (SIGTERM, then SIGKILL) if its parent, the process that
+    started it, ends. vLLM's workers watch their parent themselves only once they are ready: a
+    worker still waiting for the other nodes of a multi-node engine whose start was given up
+    would otherwise wait on."""
+    parent = os.getppid()
+    try:
+        fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        return None
+    if os.getppid() != parent:  # it ended before the watch began
+        os.close(fd)
+        fd = None
+
+    def wait() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+            os.close(fd)
+        _end(os.getpid(), "asyncpp: the process that started this vLLM worker has ended; ending it")
+
+    thread = threading.Thread(target=wait, name="asyncpp-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def children() -> set[int]:
     """The pids of this process's live multiprocessing children."""
     return {p.pid for p in multiprocessing.active_children() if p.pid is not None}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import console
-from .options import engine_options, local_workers, nodes
+from .options import engine_options, local_workers
 
 
 def run_node(
@@ -40,6 +40,11 @@ def run_node(
     made with the same model and options (``mode``, ``taps``, ``tensor_parallel_size``,
     ``pipeline_parallel_size``, ``dtype``, ...). Returns when the node's workers have ended: the
     head's engine closed or is gone, or the node was stopped (SIGTERM or Ctrl-C)."""
+    if nnodes < 2 or node_rank == 0:
+        raise ValueError(
+            f"run_node is for nodes 1 to nnodes - 1 of a multi-node engine (got node_rank={node_rank}, "
+            f"nnodes={nnodes}); node 0 is the head: asyncpp.VllmEngine(..., nnodes={nnodes}, node_rank=0)"
+        )
     logs = console.want_logs(vllm_logs)
     built = engine_options(
         model,
@@ -55,11 +60,6 @@ def run_node(
         **vllm_options,
     )
     options = built.options
-    if nodes(options) < 2 or node_rank == 0:
-        raise ValueError(
-            f"run_node is for nodes 1 to nnodes - 1 of a multi-node engine (got node_rank={node_rank}, "
-            f"nnodes={nnodes}); node 0 is the head: asyncpp.VllmEngine(..., nnodes={nnodes}, node_rank=0)"
-        )
     quiet = None if logs else console.StderrFilter()
     executor = None
     with _stop_signals():

@@ -101,12 +101,24 @@ def _multinode(options: dict[str, Any]) -> None:
             f"tensor_parallel_size x pipeline_parallel_size = {workers} workers cannot be split evenly "
             f"over nnodes={n} nodes"
         )
+    per_node = workers // n
+    if per_node > 1 and "device_ids" not in options and _on_cpu():
+        # vLLM tells which workers share a node from the platform's device count, 1 on CPU: with
+        # more workers per node, the head's executor found no queue to its second worker. The
+        # devices a node's workers use, named, give it the count.
+        options["device_ids"] = list(range(per_node))
     addr = str(options.setdefault("master_addr", "127.0.0.1"))
     if is_loopback(addr) and "VLLM_HOST_IP" not in os.environ:
         # every node is on this host: vLLM's queues between nodes connect to this address, not to
         # the one vLLM would guess (which need not be reachable: on one machine here a start
         # waited 100 s for it)
         os.environ["VLLM_HOST_IP"] = "127.0.0.1" if ":" not in addr else "::1"
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def is_loopback(host: str) -> bool:

@@ -61,6 +61,7 @@ class AsyncppWorker(CPUWorker):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         lifeline.watch_driver()
+        lifeline.watch_parent()
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         _quiet_warnings()
