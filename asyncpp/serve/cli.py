@@ -307,6 +307,9 @@ def _headless(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
     except (TypeError, ValueError) as e:
         _say(f"error: bad engine option: {e}", err=True)
         return 2
+    except TimeoutError as e:
+        _say(f"error: {e}", err=True)
+        return 1
     return 0
 
 

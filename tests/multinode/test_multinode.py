@@ -329,6 +329,30 @@ def test_a_node_that_never_arrives_fails_the_start(tmp_path):
     assert not lifeline.children() - before  # the engine core it started is gone
 
 
+def test_a_node_whose_head_never_arrives_stops(tmp_path):
+    start = time.monotonic()
+    node = Node(tmp_path / "node1.log", free_port(), "--pipeline-parallel-size", "2", "--node-timeout", "10")
+    try:
+        assert node.proc.wait(120) == 1, node.text()
+        assert time.monotonic() - start < 120
+        text = node.text()
+        assert "did not join the head node's at 127.0.0.1" in text and "node_timeout=10 s" in text, text
+        deadline = time.monotonic() + 30  # and its worker is gone with it
+        while time.monotonic() < deadline and _group_alive(node.proc.pid):
+            time.sleep(0.2)
+        assert not _group_alive(node.proc.pid)
+    finally:
+        node.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -75,8 +75,12 @@ class VllmEngine(Engine):
         argument for a pattern ending in ``.input``.
     :param standard_view: give blocks ``m.std``, the standard view (a model of a family without
         one fails here, naming what its tree lacks; False runs it with the raw tree only).
-    :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``, ...);
-        asyncpp's defaults keep hooks correct: prefix caching and chunked prefill off.
+    :param node_timeout: on a multi-node engine (``nnodes > 1``; this engine is node 0, the
+        others run :func:`~asyncpp.engines.vllm.run_node`: docs/scale-out.md), the seconds the
+        start waits for every node; past it the start fails, naming what it waits for.
+    :param vllm_options: passed to ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``,
+        ``nnodes``, ``master_addr``, ...); asyncpp's defaults keep hooks correct: prefix caching
+        and chunked prefill off.
     """
 
     supports_streaming = True
@@ -109,12 +113,8 @@ class VllmEngine(Engine):
             taps=taps,
             **vllm_options,
         )
-        options, self.mode, patterns, default_model = (
-            built.options,
-            built.mode,
-            built.patterns,
-            built.default_model,
-        )
+        options, patterns, default_model = built.options, built.patterns, built.default_model
+        self.mode = built.mode
         if int(options.get("node_rank", 0) or 0) != 0:
             raise ValueError(
                 f"node_rank={options['node_rank']}: VllmEngine is the head node (node_rank 0) of a "

@@ -11,8 +11,10 @@ closes or is gone (see ``links.py``), or until it is stopped (SIGTERM, Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,13 +35,16 @@ def run_node(
     vllm_logs: bool | None = None,
     mode: str | None = None,
     taps: Sequence[str] = (),
+    node_timeout: float = 300,
     **vllm_options: Any,
 ) -> None:
     """Run the workers of node ``node_rank`` (1 to ``nnodes - 1``) of a multi-node engine whose
     head is a ``VllmEngine(model, nnodes=nnodes, node_rank=0, master_addr=..., master_port=...)``
     made with the same model and options (``mode``, ``taps``, ``tensor_parallel_size``,
     ``pipeline_parallel_size``, ``dtype``, ...). Returns when the node's workers have ended: the
-    head's engine closed or is gone, or the node was stopped (SIGTERM or Ctrl-C)."""
+    head's engine closed or is gone, or the node was stopped (SIGTERM or Ctrl-C). A node whose
+    workers have not joined the head's within ``node_timeout`` seconds stops, and raises
+    ``TimeoutError``."""
     if nnodes < 2 or node_rank == 0:
         raise ValueError(
             f"run_node is for nodes 1 to nnodes - 1 of a multi-node engine (got node_rank={node_rank}, "
@@ -80,15 +85,36 @@ def run_node(
                     f"{console.describe(options, built.default_model, built.mode)}, head at "
                     f"{master_addr}:{master_port}"
                 )
-                executor = MultiprocExecutor(config, monitor_workers=False)
+                joining = threading.Timer(node_timeout, _give_up)
+                joining.daemon = True
+                joining.start()
+                try:
+                    executor = MultiprocExecutor(config, monitor_workers=False)
+                finally:
+                    joining.cancel()
             _say(f"node {node_rank} of {nnodes}: joined; its workers serve the head node's engine")
             executor.start_worker_monitor(inline=True)  # returns when a worker has ended
         except SystemExit:
-            pass
+            if executor is None and _gave_up.is_set():
+                raise TimeoutError(
+                    f"node {node_rank} of {nnodes}: its workers did not join the head node's at "
+                    f"{master_addr}:{master_port} within node_timeout={node_timeout:g} s. Is the head "
+                    f"(asyncpp.VllmEngine(..., nnodes={nnodes}, node_rank=0)) running there, with the "
+                    f"same model and options?"
+                ) from None
         finally:
             if executor is not None:
                 executor.shutdown()
     _say(f"node {node_rank} of {nnodes}: stopped")
+
+
+_gave_up = threading.Event()
+
+
+def _give_up() -> None:
+    """The join deadline passed: stop the node's start as SIGTERM would (its workers end)."""
+    _gave_up.set()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager
