@@ -85,3 +85,71 @@ def test_nothing_is_watched_for_a_driver_on_another_host_or_in_this_process():
     assert lifeline.watch_driver(lifeline.driver_token()) is None  # this process is the driver
     boot, pid, started = lifeline.driver_token(os.getppid()).rsplit(":", 2)
     assert lifeline.watch_driver(f"another-boot:{pid}:{started}") is None
+
+
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+RAY_LIKE_WORKER = """
+import time
+from asyncpp.engines.vllm import lifeline
+lifeline.watch_driver(parent_is_engine=False)
+print("watching", flush=True)
+time.sleep(120)
+"""
+ORPHANED_WORKER = """
+import time
+from asyncpp.engines.vllm import lifeline
+lifeline.watch_parent()
+print("watching", flush=True)
+time.sleep(120)
+"""
+
+
+def _start_pair(child_code: str, token: str = "") -> tuple[subprocess.Popen, int]:
+    env = {**os.environ, lifeline.ENV: token}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, child_code], env=env, stdout=subprocess.PIPE, text=True
+    )
+    child = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == "watching"  # (the child writes to its parent's stdout)
+    return parent, child
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_worker_of_another_executor_ends_itself_not_its_parent():
+    driver = subprocess.Popen(["sleep", "120"])
+    parent, worker = _start_pair(RAY_LIKE_WORKER, lifeline.driver_token(driver.pid))
+    try:
+        driver.kill()
+        driver.wait()
+        assert _wait_gone(worker, 15)  # the worker ended itself
+        assert parent.poll() is None  # its parent (a Ray raylet, say) is left alone
+    finally:
+        driver.kill()
+        _stop(parent, worker)
+
+
+def test_a_worker_ends_when_its_parent_does():
+    parent, worker = _start_pair(ORPHANED_WORKER)
+    try:
+        parent.kill()
+        parent.wait()
+        assert _wait_gone(worker, 15)
+    finally:
+        _stop(parent, worker)

@@ -86,11 +86,12 @@ def _end(
         return
 
 
-def watch_driver(token: str | None = None) -> threading.Thread | None:
+def watch_driver(token: str | None = None, parent_is_engine: bool = True) -> threading.Thread | None:
     """In one of vLLM's processes: end the engine (this process's parent, or this process when
-    its parent is the driver itself) once the driver named by ``token`` (default: :data:`ENV`)
-    ends. Returns the watching thread, or None when there is nothing to watch: no token, a driver
-    on another host, or a driver that is this very process."""
+    its parent is the driver itself or, with ``parent_is_engine`` False, is no engine core of
+    vLLM's: a Ray worker's) once the driver named by ``token`` (default: :data:`ENV`) ends.
+    Returns the watching thread, or None when there is nothing to watch: no token, a driver on
+    another host, or a driver that is this very process."""
     token = os.environ.get(ENV) if token is None else token
     if not token:
         return None
@@ -99,7 +100,7 @@ def watch_driver(token: str | None = None) -> threading.Thread | None:
     if boot != _boot_id() or pid == os.getpid():
         return None
     parent = os.getppid()
-    target = os.getpid() if parent == pid else parent
+    target = os.getpid() if parent == pid or not parent_is_engine else parent
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:

@@ -60,8 +60,12 @@ class AsyncppWorker(CPUWorker):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        lifeline.watch_driver()
-        lifeline.watch_parent()
+        # vLLM's multiprocessing executor starts its workers from the engine core (or a headless
+        # node's process); any other executor (Ray) manages its workers' lives itself
+        multiproc = self.vllm_config.parallel_config.distributed_executor_backend == "mp"
+        lifeline.watch_driver(parent_is_engine=multiproc)
+        if multiproc:
+            lifeline.watch_parent()
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         _quiet_warnings()
