@@ -157,3 +157,15 @@ def tree_cpu_seconds() -> float:
             t = p.cpu_times()
             total += t.user + t.system
     return total
+
+
+def finish(section: str, text: str, fails: list[str], write: bool, doc: Path = DOC) -> int:
+    """Print a benchmark's section and its failed checks, record it in ``doc`` with ``write``;
+    the exit status (1 if a check failed)."""
+    print(text)
+    for f in fails:
+        print(f"FAIL: {f}", file=sys.stderr)
+    if write:
+        write_section(section, text, doc)
+        print(f"wrote the section to {doc.relative_to(ROOT)}")
+    return 1 if fails else 0

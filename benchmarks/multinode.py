@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from statistics import median
 from typing import Any
 
@@ -148,13 +147,7 @@ Command: `{bench_common.command_line(__file__)}` ({time.perf_counter() - t0:.0f}
 
 {bench_common.verdict(fails)}
 """
-    print(text)
-    for f in fails:
-        print(f"FAIL: {f}", file=sys.stderr)
-    if args.write:
-        bench_common.write_section(SECTION, text, DOC)
-        print(f"wrote the section to {Path(DOC).relative_to(ROOT)}")
-    return 1 if fails else 0
+    return bench_common.finish(SECTION, text, fails, args.write, DOC)
 
 
 if __name__ == "__main__":

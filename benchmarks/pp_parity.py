@@ -968,13 +968,7 @@ def main() -> int:
     compiled = compiled_text(configs, done, args) if args.mode != "eager" else ""
     secs = {"total": perf() - t_all, **{f"{k} engine": v for k, v in secs.items()}}
     text = render(main_table, effects, fails, info, secs, ctx, args, compiled, modes_table)
-    print(text)
-    for f in fails:
-        print(f"FAIL: {f}", file=sys.stderr)
-    if args.write:
-        bench_common.write_section(SECTION, text, DOC)
-        print(f"wrote the section to {DOC.relative_to(ROOT)}")
-    return 1 if fails else 0
+    return bench_common.finish(SECTION, text, fails, args.write, DOC)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from torch import nn
 
 import asyncpp
@@ -88,3 +89,40 @@ async def std_points(m):
     out["final_norm"] = (await m.std.final_norm).clone()
     out["logits"] = (await m.std.logits).clone()
     return out
+
+
+# parity of a split engine (pipeline stages, nodes) with one stage, at float32
+COS = 0.9999
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Cosine similarity of ``a`` and ``b`` at least :data:`COS`."""
+    a, b = a.double().flatten(), b.double().flatten()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
+    assert cos >= COS, f"cosine {float(cos):.6f}"
+
+
+def same_logits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Logits: the same argmax everywhere, and :func:`same`."""
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    same(a, b)
+
+
+# --- blocks for split engines (every stage runs them): layer 0 is on stage 0 of 2, layer 3 on 1
+
+
+async def cross_stage_rmw(m):
+    early = await m.model.layers[0].output  # upstream of layer 3's stage: pulled in place there
+    late = await m.model.layers[3].output
+    late[0][:] += 0.25 * early[0]  # read a local layer, use an upstream value, write the local layer
+    return (await m.logits).clone()
+
+
+async def generate_with_cross_stage_write(m):
+    tokens = []
+    async for _ in m.steps():
+        early = await m.model.layers[0].output
+        late = await m.model.layers[3].output
+        late[0][:] += 0.5 * early[0]
+        tokens.append((await m.samples).sampled_token_ids[0, 0].clone())
+    return tokens

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from helpers import MODES, mode_options
+from helpers import MODES, cross_stage_rmw, generate_with_cross_stage_write, mode_options, same, same_logits
 
 import asyncpp
 
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.vllm  # real vLLM engines (besides the pp tier)
 
 pytest.importorskip("vllm")
 
-COS = 0.9999
 PROMPT = "The quick brown fox"
 
 
@@ -54,17 +53,6 @@ def two_stages(dumps, mode):
     engine.close()
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> None:
-    a, b = a.double().flatten(), b.double().flatten()
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=0)
-    assert cos >= COS, f"cosine {float(cos):.6f}"
-
-
-def same_logits(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    same(a, b)
-
-
 def run(engine, block, prompt=PROMPT, *args, **kw):
     entry = asyncpp.generate if "max_new_tokens" in kw else asyncpp.trace
     with entry(engine, **kw) as t:
@@ -91,13 +79,6 @@ async def local_write(m):
     return (await m.logits).clone()
 
 
-async def cross_stage_rmw(m):
-    early = await m.model.layers[0].output  # upstream of layer 3's stage: pulled in place there
-    late = await m.model.layers[3].output
-    late[0][:] += 0.25 * early[0]  # read a local layer, use an upstream value, write the local layer
-    return (await m.logits).clone()
-
-
 async def read_nothing_used(m):
     await m.model.layers[0].output
     await m.model.layers[3].output
@@ -109,16 +90,6 @@ async def await_downstream(m):
     logits = await m.logits  # downstream of stage 0: a lazy value there
     top = await asyncpp.pull(logits.argmax(-1))  # stage 0 waits for it at a serve point
     return int(top[0])
-
-
-async def generate_with_cross_stage_write(m):
-    tokens = []
-    async for _ in m.steps():
-        early = await m.model.layers[0].output
-        late = await m.model.layers[3].output
-        late[0][:] += 0.5 * early[0]
-        tokens.append((await m.samples).sampled_token_ids[0, 0].clone())
-    return tokens
 
 
 async def resolve_every_path(m, paths):

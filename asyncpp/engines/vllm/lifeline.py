@@ -109,15 +109,7 @@ def watch_driver(token: str | None = None, parent_is_engine: bool = True) -> thr
         os.close(fd)
         fd = None
 
-    def wait() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-            os.close(fd)
-        _end(target)
-
-    thread = threading.Thread(target=wait, name="asyncpp-lifeline", daemon=True)
-    thread.start()
-    return thread
+    return _end_when(fd, target, "asyncpp-lifeline")
 
 
 def watch_parent() -> threading.Thread | None:
@@ -134,13 +126,21 @@ def watch_parent() -> threading.Thread | None:
         os.close(fd)
         fd = None
 
+    why = "asyncpp: the process that started this vLLM worker has ended; ending it"
+    return _end_when(fd, os.getpid(), "asyncpp-parent", why)
+
+
+def _end_when(fd: int | None, target: int, name: str, *why: str) -> threading.Thread:
+    """A thread that waits for the process of pidfd ``fd`` to end (None: it has), then ends
+    ``target`` (:func:`_end`)."""
+
     def wait() -> None:
         if fd is not None:
             select.select([fd], [], [])
             os.close(fd)
-        _end(os.getpid(), "asyncpp: the process that started this vLLM worker has ended; ending it")
+        _end(target, *why)
 
-    thread = threading.Thread(target=wait, name="asyncpp-parent", daemon=True)
+    thread = threading.Thread(target=wait, name=name, daemon=True)
     thread.start()
     return thread
 
