@@ -57,15 +57,20 @@ def view_code(view: ValueView) -> int:
     return _class_code(type(view))
 
 
+_BY_CODE: dict[int, type] = {}  # the view classes seen so far, by code
+
+
 def view_of_code(code: int) -> ValueView | None:
     """A view of the class :func:`view_code` names (views are stateless), or None."""
-    todo = list(ValueView.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
-        if _class_code(cls) == code:
-            return cls()
-    return None
+    cls = _BY_CODE.get(code)
+    if cls is None:  # a class not seen yet (defined since the last walk): walk the subclasses again
+        todo = list(ValueView.__subclasses__())
+        while todo:
+            sub = todo.pop()
+            todo.extend(sub.__subclasses__())
+            _BY_CODE.setdefault(_class_code(sub), sub)
+        cls = _BY_CODE.get(code)
+    return None if cls is None else cls()
 
 
 __all__ = ["ValueView", "view_code", "view_of_code"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -197,6 +197,13 @@ class Encoded:
     payload_bytes: int = 0
     body: torch.Tensor | None = None
     message: str = ""
+    _decoded: Any = field(default=None, repr=False, compare=False)
+
+    def value(self) -> Any:
+        """The ok value as views of ``body`` (decoded once; the owner selects parts from it)."""
+        if self._decoded is None:
+            self._decoded = decode(self.dtype, self.meta_words, self.payload_bytes, self.body)
+        return self._decoded
 
     def reply_header(self, sender: int, req: int, key: int, visit: int, ticket: int) -> torch.Tensor:
         """The REPLY header announcing this value to the pull ``ticket``."""
@@ -270,18 +277,12 @@ def encode(value: Any) -> Encoded:
         raise Refused(f"dtype {dtype} cannot cross stages")
     if len(meta) % 2:
         meta.append(0)  # 16-byte aligned payload, so a view as any dtype is legal
-    meta_bytes = 8 * len(meta)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = sum(leaf.numel() for _, leaf in leaves)
-    body = torch.empty(meta_bytes + numel * itemsize, dtype=torch.uint8)
-    body[:meta_bytes].view(torch.int64).copy_(torch.tensor(meta, dtype=torch.int64))
-    payload = body[meta_bytes:].view(dtype)
-    offset = 0
-    for _, leaf in leaves:
-        n = leaf.numel()
-        payload[offset : offset + n].view(leaf.shape).copy_(leaf.detach())
-        offset += n
-    return Encoded(OK, DTYPE_CODE[dtype], len(meta), numel * itemsize, body)
+    # one copy of every leaf into one buffer, after the meta words (torch.cat: the cheapest way)
+    parts = [torch.tensor(meta, dtype=torch.int64).view(torch.uint8)]
+    parts += [leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for _, leaf in leaves]
+    body = torch.cat(parts)
+    payload_bytes = body.numel() - 8 * len(meta)
+    return Encoded(OK, DTYPE_CODE[dtype], len(meta), payload_bytes, body)
 
 
 def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Tensor) -> Any:
@@ -437,7 +438,7 @@ def select(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded:
     if not ops or entry.status != OK or entry.body is None:
         return entry
     try:
-        part = apply_selection(decode(entry.dtype, entry.meta_words, entry.payload_bytes, entry.body), ops)
+        part = apply_selection(entry.value(), ops)
         return encode(part)
     except Exception:
         return Encoded(WHOLE, entry.dtype, entry.meta_words, entry.payload_bytes, entry.body)

@@ -85,15 +85,12 @@ class LazyValue:
     def _compute(self) -> Any:
         raise NotImplementedError
 
-    def ready(self) -> bool:
-        """Whether every remote value this one still needs can be pulled now."""
-        r = _resolver
-        return all(r is not None and r.available(leaf) for _, leaf, _ in pull_plan(self))
-
-    def force(self) -> Any:
-        """The real value, pulled if needed; raises if it cannot exist on this stage yet."""
+    def force(self, plan: list[tuple[LazyValue, RemoteValue, tuple]] | None = None) -> Any:
+        """The real value, pulled if needed; raises if it cannot exist on this stage yet. ``plan``:
+        its :func:`pull_plan`, where the caller has just made it."""
         if self._value is _UNSET:
-            plan = pull_plan(self)
+            if plan is None:
+                plan = pull_plan(self)
             if plan:
                 for _, leaf, _ in plan:
                     leaf.check_pullable()

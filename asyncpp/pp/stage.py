@@ -133,13 +133,14 @@ class StageSession(Resolver):
 
     def on_pull(self, block: Block, pull: Any) -> Any:
         lazy = pull.value
-        if lazy.ready():
+        plan = pull_plan(lazy)
+        if all(self.available(leaf) for _, leaf, _ in plan):
             try:
-                return lazy.force()
+                return lazy.force(plan)
             except Exception as err:
                 return Throw(err)
         try:
-            handles = self._request(pull_plan(lazy))
+            handles = self._request(plan)
         except Exception as err:  # the pull cannot be made at all: raised at the block's await
             return Throw(err)
         self.parked.append(_Parked(block, lazy, handles))
