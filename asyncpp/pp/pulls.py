@@ -623,7 +623,7 @@ class PullService:
                         body = frame[fmt.HEADER_BYTES : fmt.HEADER_BYTES + h.body_bytes].clone()
                     else:
                         body = torch.empty(h.body_bytes, dtype=torch.uint8)
-                        self.group.recv([body], h.sender, fmt.TAG_BODY).wait(_FOREVER)
+                        self.group.recv([body], peer, fmt.TAG_BODY).wait(_FOREVER)
                 self._dispatch(h, body)
         except Exception as exc:
             with self._lock:
