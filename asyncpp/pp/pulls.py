@@ -11,22 +11,20 @@ applies it and ships only that part.
 Replies are routed to the waiting pull by ticket (unique per requester), so several pulls, from any
 number of threads, can be outstanding at once; a reply to an abandoned pull is read and dropped.
 
-gloo send/recv is a rendezvous (a send completes only once the peer posted the matching recv), so no
-thread ever waits for its own send: whichever thread makes a message (the block's, asking for a value;
-the listener, answering one) posts it at once, header and body back to back under one lock, and a
-completion thread waits for the posted sends in order (reporting failures). Each rank runs one listener
-thread per peer, which only ever waits for that peer's next header or for the body that follows it, hence
-no cycle of waits, and a pull crosses with no thread hand-off on the sending sides. (A receive from one
-named source costs gloo about half the wake-ups of a receive from any source: a tenth of a millisecond
-per round trip on two cores.) A peer's listener stops once that peer said BYE.
+The bytes travel on a wire (:mod:`asyncpp.pp.pull_wire`): by default one TCP connection per pair of
+stages, set up over the group; ``ASYNCPP_PP_WIRE=gloo`` sends them as gloo messages on the group
+instead. No thread ever waits for its own send: whichever thread makes a message (the block's, asking
+for a value; the listener, answering one) posts it at once, under one lock, and the wire never waits
+for the peer to take it. Each rank runs one listener thread per peer, which only ever waits for that
+peer's next header or for the body that follows it, hence no cycle of waits, and a pull crosses with
+no thread hand-off on the sending sides. A peer's listener stops once that peer said BYE; a peer whose
+connection ends without a BYE breaks the service (its process is gone).
 """
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +36,7 @@ import torch
 
 from ..kernel.errors import AsyncppError
 from . import pull_format as fmt
+from .pull_wire import WireClosed, make_wire
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +51,6 @@ class PullTimeout(PullError):
     """A pull whose deadline passed."""
 
 
-# recv waits use an explicit long timeout: a plain wait() would time out after the group's timeout while
-# the engine is idle, and a timed-out gloo recv leaves the pair unusable.
-_FOREVER = datetime.timedelta(days=365)
 _MAX_ENDED = 4096
 _CONTROL = frozenset((fmt.DRAIN, fmt.BYE))  # kinds counted as control traffic, not pull traffic
 
@@ -139,10 +135,20 @@ class PullService:
 
     close_grace_s: float = 10.0  # how long close() waits for the peers' goodbyes
 
-    def __init__(self, group: Any, rank: int, world: int, *, deadline_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        world: int,
+        *,
+        deadline_s: float = 60.0,
+        wire: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         """group: a gloo ProcessGroup whose members are the stages of one TP column, group rank i ==
         pipeline stage i. rank: this process's group rank; world: group size. deadline_s: how long a
-        pull waits before giving up."""
+        pull waits before giving up. wire: "tcp" or "gloo" (default: ``$ASYNCPP_PP_WIRE``, else
+        "tcp"); host: the address this rank's TCP wire listens on (reachable by every peer)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a group of {world}")
         size = getattr(group, "size", None)
@@ -152,6 +158,7 @@ class PullService:
         if callable(grank) and grank() != rank:
             raise ValueError(f"this process is rank {grank()} of the group, not {rank}")
         self.group = group
+        self._wire = make_wire(group, rank, world, wire, host)
         self.rank = rank
         self.world = world
         self.deadline_s = float(deadline_s)
@@ -186,9 +193,7 @@ class PullService:
         self._byes_in: set[int] = set()
         self._send_lock = threading.Lock()  # posts a message's header and body back to back
         self._said_bye: set[int] = set()  # peers sent a goodbye: nothing may follow it
-        self._posted: queue.SimpleQueue[tuple[_Out | None, list[Any]] | None] = queue.SimpleQueue()
         self._listeners: list[threading.Thread] = []  # one per peer
-        self._sender: threading.Thread | None = None  # waits for the posted sends to complete
         self._started = False
         self._closed = False
         self._broken: str | None = None
@@ -215,17 +220,15 @@ class PullService:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the sender thread and a listener thread per peer (daemons); a group of one needs
-        none."""
+        """Connect the wire (every rank of the group calls this: it is collective) and start a
+        listener thread per peer (daemons); a group of one needs none."""
         with self._lock:
             if self._started or self._closed:
                 return
             self._started = True
         if self.world == 1:
             return
-        self._sender = threading.Thread(
-            target=self._complete_loop, name=f"asyncpp-pp-send-{self.rank}", daemon=True
-        )
+        self._wire.open()
         self._listeners = [
             threading.Thread(
                 target=self._listen_loop,
@@ -236,14 +239,14 @@ class PullService:
             for peer in range(self.world)
             if peer != self.rank
         ]
-        self._sender.start()
         for listener in self._listeners:
             listener.start()
 
     def close(self) -> None:
         """Stop serving: pending local pulls raise PullError, pulls waiting here get an error, and every
         peer gets a goodbye.  Idempotent.  Waits (up to ``close_grace_s``) for the peers' goodbyes, so the
-        threads are gone when every rank closes; a rank closing alone leaves daemon listeners behind."""
+        threads are gone when every rank closes; then ends the connections (on the gloo wire a rank
+        closing alone leaves daemon listeners behind)."""
         with self._lock:
             if self._closed:
                 return
@@ -266,13 +269,14 @@ class PullService:
         for peer in range(self.world):
             if peer != self.rank:
                 self._post(_Out(peer, fmt.header(fmt.BYE, self.rank), ctrl=True))
-        self._posted.put(None)
         deadline = time.monotonic() + self.close_grace_s
-        for thread in (self._sender, *self._listeners):
-            if thread is not None and thread is not threading.current_thread():
+        self._wire.flush(self.close_grace_s)
+        for thread in self._listeners:
+            if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
         if any(listener.is_alive() for listener in self._listeners):
-            log.info("stage %d closed before every peer did; its listeners stay until they do", self.rank)
+            log.info("stage %d closed before every peer said goodbye", self.rank)
+        self._wire.shutdown()
 
     # ------------------------------------------------------------------ owner side
 
@@ -546,37 +550,36 @@ class PullService:
                 pending.event.set()
 
     def _post(self, out: _Out) -> None:
-        """Post a message now (its sends complete once the peer receives them; the completion thread
-        waits for that).  It is counted now, so that once any API call returns, the counters include
-        what it sent."""
+        """Post a message now (the wire never waits for the peer to take it).  It is counted now, so
+        that once any API call returns, the counters include what it sent."""
         self._account(out, 1)
         with self._send_lock:
             if out.dst in self._said_bye:
                 return  # nothing may follow a goodbye: the peer's listener may be gone
-            works: list[Any] = []
             body = out.body if out.body is not None and out.body.numel() > 0 else None
             try:
-                if body is not None and fmt.inline(body.numel()):  # one message: header, then body
-                    frame = torch.cat([out.header.view(torch.uint8), body])
-                    works.append(self.group.send([frame], out.dst, fmt.TAG_HEADER))
-                else:
-                    works.append(self.group.send([out.header], out.dst, fmt.TAG_HEADER))
-                    if body is not None:
-                        works.append(self.group.send([body], out.dst, fmt.TAG_BODY))
+                self._wire.post(out.dst, out.header, body, partial(self._failed, out))
             except Exception as exc:
                 error: BaseException | None = exc
             else:
                 error = None
                 if int(out.header[fmt.H_KIND]) == fmt.BYE:
                     self._said_bye.add(out.dst)
-            # what was posted must be waited for, even after an error (reported here, not again)
-            self._posted.put((out if error is None else None, works))
         if error is not None:
             self._failed(out, error)
 
     def _failed(self, out: _Out, exc: BaseException) -> None:
         self._account(out, -1)  # it never left
-        log.warning("stage %d could not send to stage %d: %s", self.rank, out.dst, exc)
+        with self._lock:
+            gone = out.dst in self._byes_in or self._closed
+        # (a peer that said goodbye may have ended its connection: what we still had for it is moot)
+        log.log(
+            logging.DEBUG if gone else logging.WARNING,
+            "stage %d could not send to stage %d: %s",
+            self.rank,
+            out.dst,
+            exc,
+        )
         if out.on_fail is not None:
             out.on_fail(exc)
 
@@ -591,39 +594,18 @@ class PullService:
 
     # ------------------------------------------------------------------ threads
 
-    def _complete_loop(self) -> None:
-        """Wait for every posted send to complete, in posting order (a send's buffers live until it
-        has), and report the ones that failed."""
-        while True:
-            item = self._posted.get()
-            if item is None:
-                return
-            out, works = item
-            try:
-                for work in works:
-                    work.wait()
-            except Exception as exc:
-                if out is not None:
-                    self._failed(out, exc)
-
     def _listen_loop(self, peer: int) -> None:
-        """Receive the messages of one peer (a header, and a long body after it) until it said BYE."""
-        frame = torch.empty(fmt.FRAME_BYTES, dtype=torch.uint8)  # (a message may be shorter)
-        head = frame[: fmt.HEADER_BYTES].view(torch.int64)
+        """Receive the messages of one peer (a header, and its body) until it said BYE."""
+        wire = self._wire
         try:
             while True:
                 with self._lock:
                     if peer in self._byes_in:
                         return
-                self.group.recv([frame], peer, fmt.TAG_HEADER).wait(_FOREVER)
-                h = self._parse(head.tolist(), peer)
+                h = self._parse(wire.receive_header(peer), peer)
                 body = None
                 if h.kind in (fmt.REPLY, fmt.PULL) and h.body_bytes > 0:
-                    if fmt.inline(h.body_bytes):
-                        body = frame[fmt.HEADER_BYTES : fmt.HEADER_BYTES + h.body_bytes].clone()
-                    else:
-                        body = torch.empty(h.body_bytes, dtype=torch.uint8)
-                        self.group.recv([body], peer, fmt.TAG_BODY).wait(_FOREVER)
+                    body = wire.receive_body(peer, h.body_bytes)
                 self._dispatch(h, body)
         except Exception as exc:
             with self._lock:
@@ -631,8 +613,9 @@ class PullService:
             if closed:
                 log.debug("stage %d listener stopped after close: %s", self.rank, exc)
                 return
-            log.error("stage %d pull listener of stage %d failed: %s", self.rank, peer, exc)
-            self._break(f"listener failed: {exc}")
+            why = str(exc) if isinstance(exc, WireClosed) else f"listener failed: {exc}"
+            log.error("stage %d pull listener of stage %d failed: %s", self.rank, peer, why)
+            self._break(why)
 
     def _parse(self, words: list[int], peer: int) -> fmt.Header:
         """A received header, checked; a malformed one stops the listener (the stream is lost)."""

@@ -37,7 +37,7 @@ Scenario = Callable[[PullService, int, int], dict[str, Any]]
 
 
 def _child(
-    rank: int, world: int, init_file: str, scenario: Scenario, deadline_s: float, results: Any
+    rank: int, world: int, init_file: str, scenario: Scenario, deadline_s: float, results: Any, wire: str
 ) -> None:
     """One rank: join the gloo group, run the scenario with a started PullService, report, tear down."""
     try:
@@ -49,7 +49,7 @@ def _child(
             timeout=datetime.timedelta(seconds=HARD_TIMEOUT_S),
         )
         group = dist.new_group(backend="gloo")
-        svc = PullService(group, rank, world, deadline_s=deadline_s)
+        svc = PullService(group, rank, world, deadline_s=deadline_s, wire=wire)
         svc.start()
         out = scenario(svc, rank, world)
         svc.close()
@@ -62,14 +62,25 @@ def _child(
     results.put((rank, "ok", out))
 
 
-def _run(scenario: Scenario, world: int, tmp_path: Path, *, deadline_s: float = 20.0) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks running ``scenario``; return each rank's report.  Kills everything and fails
-    if any rank is not done within HARD_TIMEOUT_S."""
+def _run(
+    scenario: Scenario,
+    world: int,
+    tmp_path: Path,
+    *,
+    deadline_s: float = 20.0,
+    wire: str = "tcp",
+    may_die: frozenset[int] = frozenset(),
+) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks running ``scenario`` on ``wire``; return each rank's report (None for
+    a rank of ``may_die`` that died without one).  Kills everything and fails if any rank is not done
+    within HARD_TIMEOUT_S."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_file = str(tmp_path / "gloo_init")
     procs = [
-        ctx.Process(target=_child, args=(r, world, init_file, scenario, deadline_s, results), daemon=True)
+        ctx.Process(
+            target=_child, args=(r, world, init_file, scenario, deadline_s, results, wire), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -79,11 +90,15 @@ def _run(scenario: Scenario, world: int, tmp_path: Path, *, deadline_s: float = 
     hung: list[int] = []
     died: list[str] = []
     try:
-        while len(got) < world and time.monotonic() < end:
+        while len(got) < world - len(may_die) and time.monotonic() < end:
             try:
                 rank, status, payload = results.get(timeout=0.5)
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in got and p.exitcode not in (None, 0)]
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if i not in got and i not in may_die and p.exitcode not in (None, 0)
+                ]
                 if dead:
                     # give a dying rank's report a moment to arrive, then stop waiting
                     try:
@@ -103,6 +118,12 @@ def _run(scenario: Scenario, world: int, tmp_path: Path, *, deadline_s: float = 
             if p.is_alive():
                 hung.append(i)
                 p.kill()
+        while True:  # reports that came while the others were joined
+            try:
+                rank, status, payload = results.get_nowait()
+            except queue.Empty:
+                break
+            got[rank] = (status, payload)
         for p in procs:
             p.join(5)
             p.close()
@@ -114,8 +135,9 @@ def _run(scenario: Scenario, world: int, tmp_path: Path, *, deadline_s: float = 
     assert not hung, (
         f"ranks {hung} hung past {HARD_TIMEOUT_S} s and were killed (missing reports: {world - len(got)})"
     )
-    assert len(got) == world, f"only ranks {sorted(got)} reported"
-    return [got[r][1] for r in range(world)]
+    missing = set(range(world)) - set(got) - may_die
+    assert not missing, f"only ranks {sorted(got)} reported"
+    return [got[r][1] if r in got else None for r in range(world)]
 
 
 def _describe(v: Any) -> Any:
@@ -541,3 +563,64 @@ def test_a_pull_with_a_selection_moves_only_the_selected_part(tmp_path: Path) ->
     assert r1["row_out"] == HDR + selection
     assert r1["whole_in"] == HDR + 80 + 2 * 6 * row
     assert r1["misfit"] == r1["local"] and r1["misfit"][0] == "IndexError"
+
+
+# ------------------------------------------------------------------------------------------ the wires
+
+HUGE = 1 << 22  # float32 elements: a 16 MiB payload, more than a loopback socket takes at once
+
+
+def _scenario_large_both_ways(svc: PullService, rank: int, world: int) -> dict[str, Any]:
+    """Each rank pulls the other's 16 MiB value and a small one at the same time: both wires' writer
+    side carries what the sockets do not take at once, in order, with no listener ever blocked."""
+    g = torch.Generator().manual_seed(77 + rank)
+    mine = {1: torch.randn(HUGE, generator=g), 2: torch.arange(6.0) + rank}
+    for key, value in mine.items():
+        svc.publish(3, key, 0, value)
+    dist.barrier()
+    peer = 1 - rank
+    big = svc.request(peer, 3, 1, 0, where="big")
+    small = svc.request(peer, 3, 2, 0, where="small")
+    got_small = svc.wait(small)
+    got_big = svc.wait(big)
+    theirs = torch.randn(HUGE, generator=torch.Generator().manual_seed(77 + peer))
+    out = {
+        "big_same": ph.same_value(got_big, theirs),
+        "small": got_small.tolist(),
+        "value_bytes_in": svc.stats["value_bytes_in"],
+    }
+    dist.barrier()
+    ph.drain(svc, 3)
+    return out
+
+
+def test_large_values_cross_both_ways_at_once_on_either_wire(tmp_path: Path) -> None:
+    for wire in ("tcp", "gloo"):
+        (tmp_path / wire).mkdir()
+        r0, r1 = _run(_scenario_large_both_ways, 2, tmp_path / wire, wire=wire)
+        for rank, r in enumerate((r0, r1)):
+            assert r["big_same"], (wire, rank)
+            assert r["small"] == [float(i + 1 - rank) for i in range(6)], (wire, rank)
+            assert r["value_bytes_in"] == HUGE * 4 + 6 * 4, (wire, r)
+
+
+def _scenario_owner_killed(svc: PullService, rank: int, world: int) -> dict[str, Any]:
+    """Stage 0 is killed (SIGKILL) while stage 1 waits for a value stage 0 never published."""
+    import os
+    import signal
+
+    dist.barrier()
+    if rank == 0:
+        while svc.held()["waiting"] == 0:  # stage 1's pull has arrived
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    kind, message = _catch(lambda: svc.pull(0, 4, 1, 0, where="model.layers.0.output"))
+    return {"kind": kind, "message": message, "broken": svc._broken}
+
+
+def test_a_pull_fails_when_its_owner_process_dies_not_at_its_deadline(tmp_path: Path) -> None:
+    r0, r1 = _run(_scenario_owner_killed, 2, tmp_path, deadline_s=50.0, may_die=frozenset({0}))
+    assert r0 is None  # killed before it could report
+    assert r1["kind"] == "PullError", r1  # not PullTimeout: the lost connection ends the wait
+    assert "model.layers.0.output" in r1["message"] and "stage 0" in r1["message"], r1
+    assert "closed its connection" in r1["message"], r1

@@ -709,9 +709,19 @@ def _pipeline(runner: Any) -> _Pipeline | None:
         group = dist.new_group([s * tp.world_size + t for s in range(pp.world_size)], backend="gloo")
         if t == tp.rank_in_group:
             column = group
-    out.service = PullService(column, pp.rank_in_group, pp.world_size)
+    out.service = PullService(column, pp.rank_in_group, pp.world_size, host=_pull_host(runner))
     out.service.start()
     return out
+
+
+def _pull_host(runner: Any) -> str:
+    """The address this worker's pull wire listens on: loopback on one node; across nodes, the one
+    vLLM uses for this node (``VLLM_HOST_IP``, else the address vLLM finds)."""
+    if int(runner.vllm_config.parallel_config.nnodes or 1) <= 1:
+        return "127.0.0.1"
+    from vllm.utils.network_utils import get_ip
+
+    return os.environ.get("VLLM_HOST_IP") or get_ip()
 
 
 def _allocate_stage_input(runner: Any) -> None:
