@@ -29,6 +29,7 @@ Nothing here sends, receives or starts a thread: these are the bytes both ends a
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -65,6 +66,7 @@ LEAF, TUPLE, LIST = 0, 1, 2
 
 MAX_MESSAGE = 1 << 16  # bytes of an error body at most
 FRAME_BYTES = HEADER_BYTES + (1 << 16)  # a header and a body up to 64 KiB: one gloo message
+HEADER = struct.Struct(f"<{HEADER_WORDS}q")  # a header's bytes (little-endian int64 words)
 
 
 def inline(body_bytes: int) -> bool:
@@ -136,7 +138,7 @@ class Header(NamedTuple):
     body_bytes: int = 0
 
 
-def header(
+def header_bytes(
     kind: int,
     sender: int,
     req: int = 0,
@@ -148,25 +150,18 @@ def header(
     meta_words: int = 0,
     payload_bytes: int = 0,
     body_bytes: int = 0,
-) -> torch.Tensor:
-    """A header as the int64 tensor sent with :data:`TAG_HEADER`."""
+) -> bytes:
+    """A header as the bytes that go on the wire."""
     if kind not in KIND_NAMES:
         raise WireError(f"unknown message kind {kind}: the kinds are {_kinds()}")
-    words = [
-        MAGIC,
-        kind,
-        sender,
-        req,
-        key,
-        visit,
-        ticket,
-        status,
-        dtype,
-        meta_words,
-        payload_bytes,
-        body_bytes,
-    ]
-    return torch.tensor(words, dtype=torch.int64)
+    return HEADER.pack(
+        MAGIC, kind, sender, req, key, visit, ticket, status, dtype, meta_words, payload_bytes, body_bytes
+    )
+
+
+def header(*args: int, **kwargs: int) -> torch.Tensor:
+    """A header as an int64 tensor (:func:`header_bytes`' arguments)."""
+    return torch.frombuffer(bytearray(header_bytes(*args, **kwargs)), dtype=torch.int64)
 
 
 def read_header(words: Sequence[int]) -> Header:
@@ -205,10 +200,10 @@ class Encoded:
             self._decoded = decode(self.dtype, self.meta_words, self.payload_bytes, self.body)
         return self._decoded
 
-    def reply_header(self, sender: int, req: int, key: int, visit: int, ticket: int) -> torch.Tensor:
-        """The REPLY header announcing this value to the pull ``ticket``."""
+    def reply_header(self, sender: int, req: int, key: int, visit: int, ticket: int) -> bytes:
+        """The REPLY header announcing this value to the pull ``ticket``, as bytes."""
         body = 0 if self.body is None else self.body.numel()
-        return header(
+        return header_bytes(
             REPLY,
             sender,
             req,

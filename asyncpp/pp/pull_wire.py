@@ -45,7 +45,6 @@ OnFail = Callable[[BaseException], None]
 # recv waits use an explicit long timeout: a plain wait() would time out after the group's timeout while
 # the engine is idle, and a timed-out gloo recv leaves the pair unusable.
 _FOREVER = datetime.timedelta(days=365)
-_HEADER = struct.Struct(f"<{fmt.HEADER_WORDS}q")
 _HELLO = struct.Struct("<qq16s")  # magic, the connecting rank, the accepting rank's secret
 _CONNECT_S = 120.0  # how long the ranks of a group wait for each other's connections
 
@@ -60,8 +59,8 @@ class Wire:
     def open(self) -> None:
         """Connect to every peer (every rank of the group calls it, collectively)."""
 
-    def post(self, dst: int, header: torch.Tensor, body: torch.Tensor | None, on_fail: OnFail) -> None:
-        """Send one message now, without waiting for the peer. Raises if it cannot be sent at all;
+    def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
+        """Send one message (its header's bytes, its uint8 body) now, without waiting for the peer. Raises if it cannot be sent at all;
         ``on_fail`` is called (from another thread) if it fails later."""
         raise NotImplementedError
 
@@ -106,14 +105,15 @@ class GlooWire(Wire):
     def open(self) -> None:
         self._completer.start()
 
-    def post(self, dst: int, header: torch.Tensor, body: torch.Tensor | None, on_fail: OnFail) -> None:
+    def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
         works: list[Any] = []
+        head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         try:
             if body is not None and fmt.inline(body.numel()):  # one message: header, then body
-                frame = torch.cat([header.view(torch.uint8), body])
+                frame = torch.cat([head, body])
                 works.append(self.group.send([frame], dst, fmt.TAG_HEADER))
             else:
-                works.append(self.group.send([header], dst, fmt.TAG_HEADER))
+                works.append(self.group.send([head], dst, fmt.TAG_HEADER))
                 if body is not None:
                     works.append(self.group.send([body], dst, fmt.TAG_BODY))
         finally:
@@ -123,7 +123,7 @@ class GlooWire(Wire):
     def receive_header(self, peer: int) -> list[int]:
         frame = self._frames[peer]
         self.group.recv([frame], peer, fmt.TAG_HEADER).wait(_FOREVER)
-        return frame[: fmt.HEADER_BYTES].view(torch.int64).tolist()
+        return list(fmt.HEADER.unpack(frame[: fmt.HEADER_BYTES].numpy()))
 
     def receive_body(self, peer: int, nbytes: int) -> torch.Tensor:
         if fmt.inline(nbytes):
@@ -237,9 +237,9 @@ class SocketWire(Wire):
 
     # --- sending
 
-    def post(self, dst: int, header: torch.Tensor, body: torch.Tensor | None, on_fail: OnFail) -> None:
+    def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
         p = self._peers[dst]
-        parts = [_bytes_of(header)]
+        parts = [memoryview(header)]
         if body is not None:
             parts.append(_bytes_of(body))
         with p.cv:
@@ -293,7 +293,7 @@ class SocketWire(Wire):
     def receive_header(self, peer: int) -> list[int]:
         p = self._peers[peer]
         _fill(p.sock, p.view, peer)
-        return list(_HEADER.unpack(p.header))
+        return list(fmt.HEADER.unpack(p.header))
 
     def receive_body(self, peer: int, nbytes: int) -> torch.Tensor:
         buf = bytearray(nbytes)

@@ -122,7 +122,8 @@ class _Out:
     """One message: a header and an optional body, posted back to back."""
 
     dst: int
-    header: torch.Tensor
+    kind: int
+    header: bytes
     body: torch.Tensor | None = None
     ctrl: bool = False
     reply: int = -1  # OK / ERR for replies (stats), -1 otherwise
@@ -268,7 +269,7 @@ class PullService:
                     self._reply(requester, ticket, req, key, visit, entry)
         for peer in range(self.world):
             if peer != self.rank:
-                self._post(_Out(peer, fmt.header(fmt.BYE, self.rank), ctrl=True))
+                self._post(_Out(peer, fmt.BYE, fmt.header_bytes(fmt.BYE, self.rank), ctrl=True))
         deadline = time.monotonic() + self.close_grace_s
         self._wire.flush(self.close_grace_s)
         for thread in self._listeners:
@@ -322,7 +323,7 @@ class PullService:
         if usable:
             for peer in range(self.world):
                 if peer != self.rank:
-                    self._post(_Out(peer, fmt.header(fmt.DRAIN, self.rank, req), ctrl=True))
+                    self._post(_Out(peer, fmt.DRAIN, fmt.header_bytes(fmt.DRAIN, self.rank, req), ctrl=True))
         return usable
 
     def release(self, req: int) -> None:
@@ -408,8 +409,8 @@ class PullService:
             self._fail_pending(ticket, f"could not send the pull: {exc}")
 
         nbytes = 0 if body is None else body.numel()
-        head = fmt.header(fmt.PULL, self.rank, req, key, visit, ticket, body_bytes=nbytes)
-        self._post(_Out(owner, head, body, on_fail=on_fail))
+        head = fmt.header_bytes(fmt.PULL, self.rank, req, key, visit, ticket, body_bytes=nbytes)
+        self._post(_Out(owner, fmt.PULL, head, body, on_fail=on_fail))
         return PullHandle(self, owner, req, key, visit, where, ticket, pending, select)
 
     def wait(self, handle: PullHandle) -> Any:
@@ -473,8 +474,8 @@ class PullService:
 
     def _send_cancel(self, handle: PullHandle) -> None:
         """Tell the owner to drop a pull this rank gave up on."""
-        cancel = fmt.header(fmt.CANCEL, self.rank, handle.req, handle.key, handle.visit, handle.ticket)
-        self._post(_Out(handle.owner, cancel))
+        cancel = fmt.header_bytes(fmt.CANCEL, self.rank, handle.req, handle.key, handle.visit, handle.ticket)
+        self._post(_Out(handle.owner, fmt.CANCEL, cancel))
 
     def _trouble(self, owner: int) -> str | None:
         """Why a pull from ``owner`` cannot be made now (lock held), or None."""
@@ -540,7 +541,7 @@ class PullService:
 
     def _reply(self, requester: int, ticket: int, req: int, key: int, visit: int, entry: fmt.Encoded) -> None:
         header = entry.reply_header(self.rank, req, key, visit, ticket)
-        self._post(_Out(requester, header, entry.body, reply=entry.status))
+        self._post(_Out(requester, fmt.REPLY, header, entry.body, reply=entry.status))
 
     def _fail_pending(self, ticket: int, message: str) -> None:
         with self._lock:
@@ -563,7 +564,7 @@ class PullService:
                 error: BaseException | None = exc
             else:
                 error = None
-                if int(out.header[fmt.H_KIND]) == fmt.BYE:
+                if out.kind == fmt.BYE:
                     self._said_bye.add(out.dst)
         if error is not None:
             self._failed(out, error)

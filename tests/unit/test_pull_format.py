@@ -117,7 +117,7 @@ def test_meta_layout_and_alignment():
     payload = enc.body[8 * enc.meta_words :].view(torch.float32)
     assert payload.tolist() == [0.0] * 6 + [1.0] * 5
     assert fmt.encode(torch.ones(3)).meta_words == 4  # [LEAF, 1, 3] + padding
-    header = enc.reply_header(1, 7, 9, 3, 11).tolist()
+    header = list(fmt.HEADER.unpack(enc.reply_header(1, 7, 9, 3, 11)))
     assert header == [fmt.MAGIC, fmt.REPLY, 1, 7, 9, 3, 11, fmt.OK, enc.dtype, 12, 44, 8 * 12 + 44]
 
 
@@ -173,7 +173,7 @@ def test_error_bodies():
     assert enc.status == fmt.ERR and enc.message == "stage 1 could not produce b: naïve ✓"
     assert enc.body is not None and enc.body.dtype == torch.uint8
     assert fmt.error_message(enc.body) == enc.message
-    assert enc.reply_header(0, 5, 6, 7, 8).tolist() == [
+    assert list(fmt.HEADER.unpack(enc.reply_header(0, 5, 6, 7, 8))) == [
         fmt.MAGIC,
         fmt.REPLY,
         0,
