@@ -193,6 +193,7 @@ class Encoded:
     body: torch.Tensor | None = None
     message: str = ""
     _decoded: Any = field(default=None, repr=False, compare=False)
+    _layout: Any = field(default=None, repr=False, compare=False)
 
     def value(self) -> Any:
         """The ok value as views of ``body`` (decoded once; the owner selects parts from it)."""
@@ -432,8 +433,80 @@ def select(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded:
     and empty selections return ``entry`` itself."""
     if not ops or entry.status != OK or entry.body is None:
         return entry
+    part = _select_bytes(entry, ops)
+    if part is not None:
+        return part
     try:
         part = apply_selection(entry.value(), ops)
         return encode(part)
     except Exception:
         return Encoded(WHOLE, entry.dtype, entry.meta_words, entry.payload_bytes, entry.body)
+
+
+# The common selection, integer indices only (a layer's last row: ``out[0][-1]``), picks a
+# contiguous run of the stored payload: it is cut out of the body's bytes with no torch call.
+# Anything else (slices, views, an index out of range) goes through torch.
+
+
+def _layout(entry: Encoded) -> Any:
+    """The stored value's structure, parsed from its meta words once: ``(shape, element offset)``
+    for a tensor, a list of children for a tuple or list."""
+    if entry._layout is None:
+        meta = entry.body[: 8 * entry.meta_words].view(torch.int64).tolist()
+        pos, offset = 0, 0
+
+        def build() -> Any:
+            nonlocal pos, offset
+            kind, n = meta[pos], meta[pos + 1]
+            pos += 2
+            if kind == LEAF:
+                shape = tuple(meta[pos : pos + n])
+                pos += n
+                leaf = (shape, offset)
+                offset += math.prod(shape)
+                return leaf
+            return [build() for _ in range(n)]
+
+        entry._layout = (build(), memoryview(entry.body.numpy()))
+    return entry._layout
+
+
+def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | None:
+    """The part an integer-only selection picks (the bytes ``encode`` would give it), or None
+    where torch must apply the selection."""
+    for op, arg in ops:
+        if op != "index" or not (
+            type(arg) is int or (type(arg) is tuple and all(type(k) is int for k in arg))
+        ):
+            return None
+    node, data = _layout(entry)
+    for _, arg in ops:
+        if type(node) is list:  # a tuple or list: one int picks an item
+            if type(arg) is not int or not -len(node) <= arg < len(node):
+                return None
+            node = node[arg]
+            continue
+        shape, offset = node
+        keys = (arg,) if type(arg) is int else arg
+        if len(keys) > len(shape):
+            return None
+        for k in keys:
+            size = shape[0]
+            if not -size <= k < size:
+                return None
+            shape = shape[1:]
+            offset += (k % size) * math.prod(shape)
+        node = (shape, offset)
+    if type(node) is list:
+        return None
+    shape, offset = node
+    itemsize = DTYPES[entry.dtype].itemsize
+    meta = [LEAF, len(shape), *shape]
+    if len(meta) % 2:
+        meta.append(0)
+    start = 8 * entry.meta_words + offset * itemsize
+    nbytes = math.prod(shape) * itemsize
+    body = bytearray(8 * len(meta) + nbytes)
+    struct.pack_into(f"<{len(meta)}q", body, 0, *meta)
+    body[8 * len(meta) :] = data[start : start + nbytes]
+    return Encoded(OK, entry.dtype, len(meta), nbytes, torch.frombuffer(body, dtype=torch.uint8))
