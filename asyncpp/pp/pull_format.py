@@ -286,30 +286,47 @@ def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Ten
     unknown dtype code."""
     if not 0 <= dtype_code < len(DTYPES):
         raise WireError(f"reply carries an unknown dtype code {dtype_code}")
-    dtype = DTYPES[dtype_code]
     meta_bytes = 8 * meta_words
     meta = body[:meta_bytes].view(torch.int64).tolist()
-    payload = body[meta_bytes : meta_bytes + payload_bytes].view(dtype)
-    pos = 0
-    offset = 0
+    payload = body[meta_bytes : meta_bytes + payload_bytes].view(DTYPES[dtype_code])
+    return _build(_structure(meta), payload)
 
-    def build() -> Any:
+
+class _Leaf(NamedTuple):
+    """A tensor in a value's structure: its shape and where its elements start in the payload."""
+
+    shape: tuple[int, ...]
+    offset: int
+
+
+def _structure(meta: Sequence[int]) -> Any:
+    """The structure the meta words describe: a :class:`_Leaf` per tensor, a tuple or list of
+    children per container. Raises WireError for an unknown node kind."""
+    pos, offset = 0, 0
+
+    def walk() -> Any:
         nonlocal pos, offset
         kind, n = meta[pos], meta[pos + 1]
         pos += 2
         if kind not in (LEAF, TUPLE, LIST):
             raise WireError(f"reply meta has an unknown node kind {kind} at word {pos - 2}")
         if kind == LEAF:
-            shape = meta[pos : pos + n]
+            shape = tuple(meta[pos : pos + n])
             pos += n
-            count = math.prod(shape)
-            t = payload[offset : offset + count].view(shape)
-            offset += count
-            return t
-        items = [build() for _ in range(n)]
+            leaf = _Leaf(shape, offset)
+            offset += math.prod(shape)
+            return leaf
+        items = [walk() for _ in range(n)]
         return tuple(items) if kind == TUPLE else items
 
-    return build()
+    return walk()
+
+
+def _build(node: Any, payload: torch.Tensor) -> Any:
+    """The value of a structure: its leaves as views of ``payload``."""
+    if type(node) is _Leaf:
+        return payload[node.offset : node.offset + math.prod(node.shape)].view(node.shape)
+    return type(node)(_build(child, payload) for child in node)
 
 
 def decode_copy(encoded: Encoded) -> Any:
@@ -448,26 +465,11 @@ def select(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded:
 # Anything else (slices, views, an index out of range) goes through torch.
 
 
-def _layout(entry: Encoded) -> Any:
-    """The stored value's structure, parsed from its meta words once: ``(shape, element offset)``
-    for a tensor, a list of children for a tuple or list."""
+def _layout(entry: Encoded) -> tuple[Any, memoryview]:
+    """The stored value's structure (:func:`_structure`, parsed once) and the body's bytes."""
     if entry._layout is None:
         meta = entry.body[: 8 * entry.meta_words].view(torch.int64).tolist()
-        pos, offset = 0, 0
-
-        def build() -> Any:
-            nonlocal pos, offset
-            kind, n = meta[pos], meta[pos + 1]
-            pos += 2
-            if kind == LEAF:
-                shape = tuple(meta[pos : pos + n])
-                pos += n
-                leaf = (shape, offset)
-                offset += math.prod(shape)
-                return leaf
-            return [build() for _ in range(n)]
-
-        entry._layout = (build(), memoryview(entry.body.numpy()))
+        entry._layout = (_structure(meta), memoryview(entry.body.numpy()))
     return entry._layout
 
 
@@ -481,7 +483,7 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
             return None
     node, data = _layout(entry)
     for _, arg in ops:
-        if type(node) is list:  # a tuple or list: one int picks an item
+        if type(node) is not _Leaf:  # a tuple or list: one int picks an item
             if type(arg) is not int or not -len(node) <= arg < len(node):
                 return None
             node = node[arg]
@@ -496,8 +498,8 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
                 return None
             shape = shape[1:]
             offset += (k % size) * math.prod(shape)
-        node = (shape, offset)
-    if type(node) is list:
+        node = _Leaf(shape, offset)
+    if type(node) is not _Leaf:
         return None
     shape, offset = node
     itemsize = DTYPES[entry.dtype].itemsize

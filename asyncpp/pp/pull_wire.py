@@ -11,8 +11,8 @@ the next header of one peer and then that message's body. Two wires:
   blocks on a full socket. A listener reads its peer's bytes as they arrive. A connection opens
   only with the accepting rank's secret, which went to the group's members alone.
 * :class:`GlooWire`: gloo send/recv on the group (a rendezvous: a send completes only once the peer
-  posted the matching receive, so a completion thread waits for the posted sends). About three times
-  slower per round trip on two cores; ``ASYNCPP_PP_WIRE=gloo`` selects it.
+  posted the matching receive, so a completion thread waits for the posted sends). Two to four times
+  slower per pull on two cores (docs/performance.md); ``ASYNCPP_PP_WIRE=gloo`` selects it.
 
 A lost connection (a peer process gone) ends its listener's ``receive`` with :class:`WireClosed`.
 """
@@ -60,8 +60,9 @@ class Wire:
         """Connect to every peer (every rank of the group calls it, collectively)."""
 
     def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
-        """Send one message (its header's bytes, its uint8 body) now, without waiting for the peer. Raises if it cannot be sent at all;
-        ``on_fail`` is called (from another thread) if it fails later."""
+        """Send one message (its header's bytes, its uint8 body) now, without waiting for the peer.
+        Raises if it cannot be sent at all; ``on_fail`` is called (from another thread) if it fails
+        later."""
         raise NotImplementedError
 
     def receive_header(self, peer: int) -> list[int]:

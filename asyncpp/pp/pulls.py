@@ -122,12 +122,15 @@ class _Out:
     """One message: a header and an optional body, posted back to back."""
 
     dst: int
-    kind: int
     header: bytes
     body: torch.Tensor | None = None
     ctrl: bool = False
     reply: int = -1  # OK / ERR for replies (stats), -1 otherwise
     on_fail: Callable[[BaseException], None] | None = None
+
+    @property
+    def kind(self) -> int:
+        return fmt.HEADER.unpack(self.header)[fmt.H_KIND]
 
 
 class PullService:
@@ -158,7 +161,6 @@ class PullService:
         grank = getattr(group, "rank", None)
         if callable(grank) and grank() != rank:
             raise ValueError(f"this process is rank {grank()} of the group, not {rank}")
-        self.group = group
         self._wire = make_wire(group, rank, world, wire, host)
         self.rank = rank
         self.world = world
@@ -269,7 +271,7 @@ class PullService:
                     self._reply(requester, ticket, req, key, visit, entry)
         for peer in range(self.world):
             if peer != self.rank:
-                self._post(_Out(peer, fmt.BYE, fmt.header_bytes(fmt.BYE, self.rank), ctrl=True))
+                self._post(_Out(peer, fmt.header_bytes(fmt.BYE, self.rank), ctrl=True))
         deadline = time.monotonic() + self.close_grace_s
         self._wire.flush(self.close_grace_s)
         for thread in self._listeners:
@@ -323,7 +325,7 @@ class PullService:
         if usable:
             for peer in range(self.world):
                 if peer != self.rank:
-                    self._post(_Out(peer, fmt.DRAIN, fmt.header_bytes(fmt.DRAIN, self.rank, req), ctrl=True))
+                    self._post(_Out(peer, fmt.header_bytes(fmt.DRAIN, self.rank, req), ctrl=True))
         return usable
 
     def release(self, req: int) -> None:
@@ -410,7 +412,7 @@ class PullService:
 
         nbytes = 0 if body is None else body.numel()
         head = fmt.header_bytes(fmt.PULL, self.rank, req, key, visit, ticket, body_bytes=nbytes)
-        self._post(_Out(owner, fmt.PULL, head, body, on_fail=on_fail))
+        self._post(_Out(owner, head, body, on_fail=on_fail))
         return PullHandle(self, owner, req, key, visit, where, ticket, pending, select)
 
     def wait(self, handle: PullHandle) -> Any:
@@ -475,7 +477,7 @@ class PullService:
     def _send_cancel(self, handle: PullHandle) -> None:
         """Tell the owner to drop a pull this rank gave up on."""
         cancel = fmt.header_bytes(fmt.CANCEL, self.rank, handle.req, handle.key, handle.visit, handle.ticket)
-        self._post(_Out(handle.owner, fmt.CANCEL, cancel))
+        self._post(_Out(handle.owner, cancel))
 
     def _trouble(self, owner: int) -> str | None:
         """Why a pull from ``owner`` cannot be made now (lock held), or None."""
@@ -541,7 +543,7 @@ class PullService:
 
     def _reply(self, requester: int, ticket: int, req: int, key: int, visit: int, entry: fmt.Encoded) -> None:
         header = entry.reply_header(self.rank, req, key, visit, ticket)
-        self._post(_Out(requester, fmt.REPLY, header, entry.body, reply=entry.status))
+        self._post(_Out(requester, header, entry.body, reply=entry.status))
 
     def _fail_pending(self, ticket: int, message: str) -> None:
         with self._lock:
