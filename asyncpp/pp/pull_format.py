@@ -39,6 +39,8 @@ import torch
 from ..kernel.errors import AsyncppError
 from ..kernel.views import ValueView, view_code, view_of_code
 
+Buffer = bytes | bytearray | memoryview  # a message body as it crosses: raw bytes
+
 MAGIC = 0x41505050
 TAG_HEADER = 0x5A50  # gloo message tag of every header
 TAG_BODY = 0x5A51  # gloo message tag of a reply's body
@@ -194,6 +196,13 @@ class Encoded:
     message: str = ""
     _decoded: Any = field(default=None, repr=False, compare=False)
     _layout: Any = field(default=None, repr=False, compare=False)
+    _data: memoryview | None = field(default=None, repr=False, compare=False)
+
+    def data(self) -> memoryview | None:
+        """The body's bytes (no copy; made once): what a wire sends."""
+        if self._data is None and self.body is not None:
+            self._data = buffer_of(self.body)
+        return self._data
 
     def value(self) -> Any:
         """The ok value as views of ``body`` (decoded once; the owner selects parts from it)."""
@@ -222,12 +231,19 @@ class Encoded:
 def error_body(message: str) -> Encoded:
     """A failure for the pullers: the message, UTF-8, cut to :data:`MAX_MESSAGE` bytes (never empty)."""
     data = message.encode("utf-8", "replace")[:MAX_MESSAGE] or b"error"
-    return Encoded(ERR, body=torch.tensor(list(data), dtype=torch.uint8), message=message)
+    return Encoded(ERR, body=torch.frombuffer(bytearray(data), dtype=torch.uint8), message=message)
 
 
-def error_message(body: torch.Tensor | None) -> str:
-    """The text of an error body (empty for none)."""
-    return "" if body is None else bytes(body.tolist()).decode("utf-8", "replace")
+def error_message(body: torch.Tensor | Buffer | None) -> str:
+    """The text of an error body, a uint8 tensor or the received bytes (empty for none)."""
+    if body is None:
+        return ""
+    return bytes(buffer_of(body) if isinstance(body, torch.Tensor) else body).decode("utf-8", "replace")
+
+
+def buffer_of(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes, without a copy (they stay valid while the view is held)."""
+    return memoryview(t.contiguous().numpy()).cast("B")
 
 
 def _path(path: tuple[int, ...]) -> str:
@@ -281,14 +297,29 @@ def encode(value: Any) -> Encoded:
     return Encoded(OK, DTYPE_CODE[dtype], len(meta), payload_bytes, body)
 
 
-def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Tensor) -> Any:
-    """Rebuild a value from an ok body; its tensors are views of ``body``. Raises WireError for an
-    unknown dtype code."""
+def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Tensor | Buffer) -> Any:
+    """Rebuild a value from an ok body (a uint8 tensor, or the received bytes: a writable buffer);
+    its tensors are views of ``body``. Raises WireError for an unknown dtype code or a body too
+    short for its header."""
     if not 0 <= dtype_code < len(DTYPES):
         raise WireError(f"reply carries an unknown dtype code {dtype_code}")
+    data = buffer_of(body) if isinstance(body, torch.Tensor) else memoryview(body)
+    dtype = DTYPES[dtype_code]
     meta_bytes = 8 * meta_words
-    meta = body[:meta_bytes].view(torch.int64).tolist()
-    payload = body[meta_bytes : meta_bytes + payload_bytes].view(DTYPES[dtype_code])
+    if meta_bytes + payload_bytes > len(data) or payload_bytes % dtype.itemsize:
+        raise WireError(
+            f"a body of {len(data)} bytes cannot hold {meta_words} meta words and a {dtype} payload of "
+            f"{payload_bytes} bytes"
+        )
+    meta = data[:meta_bytes].cast("q").tolist()
+    n = payload_bytes // dtype.itemsize
+    payload = (
+        torch.frombuffer(data, dtype=dtype, offset=meta_bytes, count=n) if n else torch.empty(0, dtype=dtype)
+    )
+    if meta and meta[0] == LEAF and len(meta) - 2 - meta[1] in (0, 1):  # one tensor (the common case)
+        shape = meta[2 : 2 + meta[1]]
+        if math.prod(shape) == n:
+            return payload.view(shape)
     return _build(_structure(meta), payload)
 
 
@@ -325,7 +356,10 @@ def _structure(meta: Sequence[int]) -> Any:
 def _build(node: Any, payload: torch.Tensor) -> Any:
     """The value of a structure: its leaves as views of ``payload``."""
     if type(node) is _Leaf:
-        return payload[node.offset : node.offset + math.prod(node.shape)].view(node.shape)
+        n = math.prod(node.shape)
+        if node.offset == 0 and n == payload.numel():  # the whole payload (the common case)
+            return payload.view(node.shape)
+        return payload[node.offset : node.offset + n].view(node.shape)
     return type(node)(_build(child, payload) for child in node)
 
 
@@ -374,8 +408,8 @@ def _item_words(k: Any) -> list[int] | None:
     return None
 
 
-def encode_selection(ops: Sequence[tuple[str, Any]]) -> torch.Tensor:
-    """A selection as the int64 words of a PULL's body."""
+def encode_selection(ops: Sequence[tuple[str, Any]]) -> bytes:
+    """A selection as a PULL's body: int64 words, as bytes."""
     words: list[int] = []
     for op, arg in ops:
         if op == "index":
@@ -390,7 +424,14 @@ def encode_selection(ops: Sequence[tuple[str, Any]]) -> torch.Tensor:
             words += [SEL_VIEW, view_code(arg)]
         else:
             raise WireError(f"unknown selection operation {op!r}")
-    return torch.tensor(words, dtype=torch.int64)
+    return struct.pack(f"<{len(words)}q", *words)
+
+
+def words_of(body: Buffer) -> list[int]:
+    """The int64 words of a received selection body. Raises WireError for a ragged length."""
+    if len(body) % 8:
+        raise WireError(f"a selection body of {len(body)} bytes is not a run of int64 words")
+    return list(struct.unpack(f"<{len(body) // 8}q", body))
 
 
 def decode_selection(words: Sequence[int]) -> tuple[tuple[str, Any], ...]:
@@ -468,21 +509,18 @@ def select(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded:
 def _layout(entry: Encoded) -> tuple[Any, memoryview]:
     """The stored value's structure (:func:`_structure`, parsed once) and the body's bytes."""
     if entry._layout is None:
-        meta = entry.body[: 8 * entry.meta_words].view(torch.int64).tolist()
-        entry._layout = (_structure(meta), memoryview(entry.body.numpy()))
+        data = entry.data()
+        entry._layout = (_structure(data[: 8 * entry.meta_words].cast("q").tolist()), data)
     return entry._layout
 
 
 def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | None:
     """The part an integer-only selection picks (the bytes ``encode`` would give it), or None
     where torch must apply the selection."""
-    for op, arg in ops:
-        if op != "index" or not (
-            type(arg) is int or (type(arg) is tuple and all(type(k) is int for k in arg))
-        ):
-            return None
     node, data = _layout(entry)
-    for _, arg in ops:
+    for op, arg in ops:
+        if op != "index":
+            return None
         if type(node) is not _Leaf:  # a tuple or list: one int picks an item
             if type(arg) is not int or not -len(node) <= arg < len(node):
                 return None
@@ -490,11 +528,11 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
             continue
         shape, offset = node
         keys = (arg,) if type(arg) is int else arg
-        if len(keys) > len(shape):
+        if type(keys) is not tuple or len(keys) > len(shape):
             return None
         for k in keys:
             size = shape[0]
-            if not -size <= k < size:
+            if type(k) is not int or not -size <= k < size:
                 return None
             shape = shape[1:]
             offset += (k % size) * math.prod(shape)
@@ -503,12 +541,11 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
         return None
     shape, offset = node
     itemsize = DTYPES[entry.dtype].itemsize
-    meta = [LEAF, len(shape), *shape]
-    if len(meta) % 2:
-        meta.append(0)
+    meta = (LEAF, len(shape), *shape) if len(shape) % 2 == 0 else (LEAF, len(shape), *shape, 0)
     start = 8 * entry.meta_words + offset * itemsize
     nbytes = math.prod(shape) * itemsize
-    body = bytearray(8 * len(meta) + nbytes)
-    struct.pack_into(f"<{len(meta)}q", body, 0, *meta)
-    body[8 * len(meta) :] = data[start : start + nbytes]
-    return Encoded(OK, entry.dtype, len(meta), nbytes, torch.frombuffer(body, dtype=torch.uint8))
+    body = bytearray(struct.pack(f"<{len(meta)}q", *meta))
+    body += data[start : start + nbytes]
+    part = Encoded(OK, entry.dtype, len(meta), nbytes, torch.frombuffer(body, dtype=torch.uint8))
+    part._data = memoryview(body)
+    return part

@@ -14,7 +14,9 @@ the next header of one peer and then that message's body. Two wires:
   posted the matching receive, so a completion thread waits for the posted sends). Two to four times
   slower per pull on two cores (docs/performance.md); ``ASYNCPP_PP_WIRE=gloo`` selects it.
 
-A lost connection (a peer process gone) ends its listener's ``receive`` with :class:`WireClosed`.
+Bodies cross as raw bytes (any buffer): the sender's are not copied, the receiver's arrive in a
+fresh ``bytearray`` that the decoded value's tensors then view. A lost connection (a peer process
+gone) ends its listener's ``receive`` with :class:`WireClosed`.
 """
 
 from __future__ import annotations
@@ -59,18 +61,18 @@ class Wire:
     def open(self) -> None:
         """Connect to every peer (every rank of the group calls it, collectively)."""
 
-    def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
-        """Send one message (its header's bytes, its uint8 body) now, without waiting for the peer.
-        Raises if it cannot be sent at all; ``on_fail`` is called (from another thread) if it fails
-        later."""
+    def post(self, dst: int, header: bytes, body: fmt.Buffer | None, on_fail: OnFail) -> None:
+        """Send one message (its header's bytes, its body's) now, without waiting for the peer; the
+        body must stay unchanged until sent. Raises if it cannot be sent at all; ``on_fail`` is
+        called (from another thread) if it fails later."""
         raise NotImplementedError
 
     def receive_header(self, peer: int) -> list[int]:
         """Blocking: the next message header from ``peer``, as its words."""
         raise NotImplementedError
 
-    def receive_body(self, peer: int, nbytes: int) -> torch.Tensor:
-        """Blocking: the body (``nbytes`` uint8) of the message whose header was just received."""
+    def receive_body(self, peer: int, nbytes: int) -> bytearray:
+        """Blocking: the body (``nbytes`` bytes) of the message whose header was just received."""
         raise NotImplementedError
 
     def flush(self, timeout: float) -> None:
@@ -106,17 +108,16 @@ class GlooWire(Wire):
     def open(self) -> None:
         self._completer.start()
 
-    def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
+    def post(self, dst: int, header: bytes, body: fmt.Buffer | None, on_fail: OnFail) -> None:
         works: list[Any] = []
-        head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         try:
-            if body is not None and fmt.inline(body.numel()):  # one message: header, then body
-                frame = torch.cat([head, body])
+            if body is not None and fmt.inline(len(body)):  # one message: header, then body
+                frame = torch.frombuffer(bytearray(header) + body, dtype=torch.uint8)
                 works.append(self.group.send([frame], dst, fmt.TAG_HEADER))
             else:
-                works.append(self.group.send([head], dst, fmt.TAG_HEADER))
+                works.append(self.group.send([_tensor_of(header)], dst, fmt.TAG_HEADER))
                 if body is not None:
-                    works.append(self.group.send([body], dst, fmt.TAG_BODY))
+                    works.append(self.group.send([_tensor_of(body)], dst, fmt.TAG_BODY))
         finally:
             # what was posted must be waited for, even after an error (reported by the raise)
             self._posted.put((on_fail, works))
@@ -126,11 +127,11 @@ class GlooWire(Wire):
         self.group.recv([frame], peer, fmt.TAG_HEADER).wait(_FOREVER)
         return list(fmt.HEADER.unpack(frame[: fmt.HEADER_BYTES].numpy()))
 
-    def receive_body(self, peer: int, nbytes: int) -> torch.Tensor:
+    def receive_body(self, peer: int, nbytes: int) -> bytearray:
         if fmt.inline(nbytes):
-            return self._frames[peer][fmt.HEADER_BYTES : fmt.HEADER_BYTES + nbytes].clone()
-        body = torch.empty(nbytes, dtype=torch.uint8)
-        self.group.recv([body], peer, fmt.TAG_BODY).wait(_FOREVER)
+            return bytearray(fmt.buffer_of(self._frames[peer])[fmt.HEADER_BYTES : fmt.HEADER_BYTES + nbytes])
+        body = bytearray(nbytes)
+        self.group.recv([torch.frombuffer(body, dtype=torch.uint8)], peer, fmt.TAG_BODY).wait(_FOREVER)
         return body
 
     def flush(self, timeout: float) -> None:
@@ -156,19 +157,45 @@ class GlooWire(Wire):
 # ---------------------------------------------------------------------------------------------- tcp
 
 
+_INBOX_BYTES = 1 << 16  # what one receive call may take from a connection at once
+
+
 class _Peer:
-    """One connection and what its writer thread still has to send, in order."""
+    """One connection: what its writer thread still has to send, in order, and what was received
+    from it and not yet taken (``inbox[lo:hi]``; one receive call takes as many messages as have
+    arrived)."""
 
-    __slots__ = ("sock", "backlog", "cv", "writer", "closing", "header", "view")
+    __slots__ = ("peer", "sock", "backlog", "cv", "writer", "closing", "inbox", "view", "lo", "hi")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, peer: int, sock: socket.socket) -> None:
+        self.peer = peer
         self.sock = sock
         self.backlog: collections.deque[tuple[memoryview, OnFail]] = collections.deque()
         self.cv = threading.Condition()
         self.writer: threading.Thread | None = None
         self.closing = False
-        self.header = bytearray(fmt.HEADER_BYTES)
-        self.view = memoryview(self.header)
+        self.inbox = bytearray(_INBOX_BYTES)
+        self.view = memoryview(self.inbox)
+        self.lo = self.hi = 0
+
+    def have(self, n: int) -> None:
+        """Receive until at least ``n`` (at most the inbox's size) bytes are waiting in the inbox."""
+        if self.hi - self.lo >= n:
+            return
+        if self.lo:  # move what is left to the front, making room behind it
+            self.inbox[: self.hi - self.lo] = self.view[self.lo : self.hi]
+            self.hi -= self.lo
+            self.lo = 0
+        while self.hi < n:
+            self.hi += _receive_into(self.sock, self.view[self.hi :], self.peer)
+
+    def take_into(self, out: memoryview) -> None:
+        """Fill ``out`` with the next bytes: first what the inbox holds, then from the socket."""
+        got = min(len(out), self.hi - self.lo)
+        out[:got] = self.view[self.lo : self.lo + got]
+        self.lo += got
+        while got < len(out):
+            got += _receive_into(self.sock, out[got:], self.peer)
 
 
 class SocketWire(Wire):
@@ -234,15 +261,15 @@ class SocketWire(Wire):
     def _add(self, peer: int, sock: socket.socket) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._peers[peer] = _Peer(sock)
+        self._peers[peer] = _Peer(peer, sock)
 
     # --- sending
 
-    def post(self, dst: int, header: bytes, body: torch.Tensor | None, on_fail: OnFail) -> None:
+    def post(self, dst: int, header: bytes, body: fmt.Buffer | None, on_fail: OnFail) -> None:
         p = self._peers[dst]
         parts = [memoryview(header)]
         if body is not None:
-            parts.append(_bytes_of(body))
+            parts.append(memoryview(body).cast("B"))
         with p.cv:
             if p.closing:
                 raise WireClosed(f"the pull wire to stage {dst} is closed")
@@ -293,13 +320,20 @@ class SocketWire(Wire):
 
     def receive_header(self, peer: int) -> list[int]:
         p = self._peers[peer]
-        _fill(p.sock, p.view, peer)
-        return list(fmt.HEADER.unpack(p.header))
+        p.have(fmt.HEADER_BYTES)
+        words = fmt.HEADER.unpack_from(p.inbox, p.lo)
+        p.lo += fmt.HEADER_BYTES
+        return list(words)
 
-    def receive_body(self, peer: int, nbytes: int) -> torch.Tensor:
-        buf = bytearray(nbytes)
-        _fill(self._peers[peer].sock, memoryview(buf), peer)
-        return torch.frombuffer(buf, dtype=torch.uint8)
+    def receive_body(self, peer: int, nbytes: int) -> bytearray:
+        p = self._peers[peer]
+        if nbytes <= p.hi - p.lo:  # arrived with its header (the common case)
+            body = bytearray(p.view[p.lo : p.lo + nbytes])
+            p.lo += nbytes
+            return body
+        body = bytearray(nbytes)
+        p.take_into(memoryview(body))
+        return body
 
     # --- closing
 
@@ -325,9 +359,10 @@ class SocketWire(Wire):
             p.sock.close()
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes, without a copy (the tensor must stay alive, as the message holds it)."""
-    return memoryview(t.contiguous().numpy()).cast("B")
+def _tensor_of(data: fmt.Buffer) -> torch.Tensor:
+    """Bytes as a uint8 tensor for gloo (no copy where the buffer is writable)."""
+    view = memoryview(data)
+    return torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
 
 
 def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
@@ -342,20 +377,20 @@ def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
     return rest
 
 
-def _fill(sock: socket.socket, view: memoryview, peer: int) -> None:
-    """Read exactly ``len(view)`` bytes into ``view``."""
-    got, n = 0, len(view)
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:], n - got)
-        except OSError as exc:
-            raise WireClosed(f"the connection to stage {peer} failed: {exc}") from None
-        if k == 0:
-            raise WireClosed(f"stage {peer} closed its connection")
-        got += k
+def _receive_into(sock: socket.socket, view: memoryview, peer: int) -> int:
+    """One receive into ``view`` (blocking until something arrives): how many bytes came."""
+    try:
+        k = sock.recv_into(view)
+    except OSError as exc:
+        raise WireClosed(f"the connection to stage {peer} failed: {exc}") from None
+    if k == 0:
+        raise WireClosed(f"stage {peer} closed its connection")
+    return k
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _fill(sock, memoryview(buf), -1)
+    view, got = memoryview(buf), 0
+    while got < n:
+        got += _receive_into(sock, view[got:], -1)
     return bytes(buf)

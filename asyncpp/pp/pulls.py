@@ -23,6 +23,7 @@ connection ends without a BYE breaks the service (its process is gone).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -31,8 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-
-import torch
 
 from ..kernel.errors import AsyncppError
 from . import pull_format as fmt
@@ -59,17 +58,36 @@ _CONTROL = frozenset((fmt.DRAIN, fmt.BYE))  # kinds counted as control traffic, 
 _Waiting = dict[tuple[int, int], list[tuple[int, int, tuple]]]
 
 
-class _PendingPull:
-    """A pull waiting for its reply on the requester side."""
+@functools.lru_cache(maxsize=256)
+def _selection(body: bytes) -> tuple:
+    """A PULL's selection (a block pulls with a few distinct ones: each is read once)."""
+    return fmt.decode_selection(fmt.words_of(body))
 
-    __slots__ = ("owner", "event", "header", "body", "error")
+
+class _PendingPull:
+    """A pull waiting for its reply on the requester side. It is finished once (by whoever takes it
+    out of the service's open pulls), which releases its latch, a lock held from the start: the
+    cheapest one-shot wake-up there is."""
+
+    __slots__ = ("owner", "latch", "done", "header", "body", "error")
 
     def __init__(self, owner: int) -> None:
         self.owner = owner
-        self.event = threading.Event()
+        self.latch = threading.Lock()
+        self.latch.acquire()
+        self.done = False
         self.header: fmt.Header | None = None
-        self.body: torch.Tensor | None = None
+        self.body: bytearray | None = None
         self.error: str | None = None
+
+    def finish(self, error: str | None = None) -> None:
+        if error is not None:
+            self.error = error
+        self.done = True
+        self.latch.release()
+
+    def wait(self, timeout: float) -> bool:
+        return self.done or self.latch.acquire(timeout=max(0.0, timeout))
 
 
 class PullHandle:
@@ -114,7 +132,7 @@ class PullHandle:
         error), or the pull already failed."""
         if self.pending is None:
             return self.service._local_done(self.req, self.key, self.visit)
-        return self.pending.event.is_set()
+        return self.pending.done
 
 
 @dataclass
@@ -123,7 +141,7 @@ class _Out:
 
     dst: int
     header: bytes
-    body: torch.Tensor | None = None
+    body: fmt.Buffer | None = None
     ctrl: bool = False
     reply: int = -1  # OK / ERR for replies (stats), -1 otherwise
     on_fail: Callable[[BaseException], None] | None = None
@@ -202,7 +220,7 @@ class PullService:
         self._broken: str | None = None
         # the listeners' handler of each message kind: called with the lock held, returns what to do
         # once the lock is released (replies to send), or None
-        self._handlers: dict[int, Callable[[fmt.Header, torch.Tensor | None], Callable[[], None] | None]] = {
+        self._handlers: dict[int, Callable[[fmt.Header, bytearray | None], Callable[[], None] | None]] = {
             fmt.PULL: self._on_pull,
             fmt.CANCEL: self._on_cancel,
             fmt.REPLY: self._on_reply,
@@ -255,8 +273,7 @@ class PullService:
                 return
             self._closed = True
             for pending in self._pending.values():
-                pending.error = f"the pull service of stage {self.rank} was closed"
-                pending.event.set()
+                pending.finish(f"the pull service of stage {self.rank} was closed")
             self._pending.clear()
             waiting, self._waiters = self._waiters, {}
             self._values.clear()
@@ -396,7 +413,7 @@ class PullService:
             raise PullError(f"pull of {where}: stage {owner} is outside a pipeline of {self.world}")
         if owner == self.rank:
             return PullHandle(self, owner, req, key, visit, where, 0, None, select)
-        body = fmt.encode_selection(select).view(torch.uint8) if select else None
+        body = fmt.encode_selection(select) if select else None
         with self._lock:
             trouble = self._trouble(owner)
             if trouble is None:
@@ -410,7 +427,7 @@ class PullService:
         def on_fail(exc: BaseException) -> None:
             self._fail_pending(ticket, f"could not send the pull: {exc}")
 
-        nbytes = 0 if body is None else body.numel()
+        nbytes = 0 if body is None else len(body)
         head = fmt.header_bytes(fmt.PULL, self.rank, req, key, visit, ticket, body_bytes=nbytes)
         self._post(_Out(owner, head, body, on_fail=on_fail))
         return PullHandle(self, owner, req, key, visit, where, ticket, pending, select)
@@ -428,7 +445,7 @@ class PullService:
             )
         pending, ticket = handle.pending, handle.ticket
         start = time.monotonic()
-        answered = pending.event.wait(self.deadline_s)
+        answered = pending.wait(self.deadline_s)
         if not answered:
             with self._lock:
                 gave_up = self._pending.pop(ticket, None) is not None
@@ -543,14 +560,13 @@ class PullService:
 
     def _reply(self, requester: int, ticket: int, req: int, key: int, visit: int, entry: fmt.Encoded) -> None:
         header = entry.reply_header(self.rank, req, key, visit, ticket)
-        self._post(_Out(requester, header, entry.body, reply=entry.status))
+        self._post(_Out(requester, header, entry.data(), reply=entry.status))
 
     def _fail_pending(self, ticket: int, message: str) -> None:
         with self._lock:
             pending = self._pending.pop(ticket, None)
             if pending is not None:
-                pending.error = message
-                pending.event.set()
+                pending.finish(message)
 
     def _post(self, out: _Out) -> None:
         """Post a message now (the wire never waits for the peer to take it).  It is counted now, so
@@ -559,14 +575,14 @@ class PullService:
         with self._send_lock:
             if out.dst in self._said_bye:
                 return  # nothing may follow a goodbye: the peer's listener may be gone
-            body = out.body if out.body is not None and out.body.numel() > 0 else None
+            body = out.body if out.body else None
             try:
                 self._wire.post(out.dst, out.header, body, partial(self._failed, out))
             except Exception as exc:
                 error: BaseException | None = exc
             else:
                 error = None
-                if out.kind == fmt.BYE:
+                if out.ctrl and out.kind == fmt.BYE:
                     self._said_bye.add(out.dst)
         if error is not None:
             self._failed(out, error)
@@ -587,7 +603,7 @@ class PullService:
             out.on_fail(exc)
 
     def _account(self, out: _Out, sign: int) -> None:
-        nbytes = fmt.HEADER_BYTES + (0 if out.body is None else out.body.numel())
+        nbytes = fmt.HEADER_BYTES + (0 if out.body is None else len(out.body))
         with self._lock:
             self.stats["ctrl_bytes_out" if out.ctrl else "bytes_out"] += sign * nbytes
             if out.reply == fmt.OK:
@@ -601,10 +617,7 @@ class PullService:
         """Receive the messages of one peer (a header, and its body) until it said BYE."""
         wire = self._wire
         try:
-            while True:
-                with self._lock:
-                    if peer in self._byes_in:
-                        return
+            while peer not in self._byes_in:  # (a set's membership needs no lock)
                 h = self._parse(wire.receive_header(peer), peer)
                 body = None
                 if h.kind in (fmt.REPLY, fmt.PULL) and h.body_bytes > 0:
@@ -636,14 +649,13 @@ class PullService:
         with self._lock:
             self._broken = why
             for pending in self._pending.values():
-                pending.error = f"the transport of stage {self.rank} is broken: {why}"
-                pending.event.set()
+                pending.finish(f"the transport of stage {self.rank} is broken: {why}")
             self._pending.clear()
             self._cv.notify_all()
 
-    def _dispatch(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+    def _dispatch(self, h: fmt.Header, body: bytearray | None) -> None:
         """Handle one message on the listener thread; never blocks on the wire (sends are queued)."""
-        nbytes = fmt.HEADER_BYTES + (0 if body is None else body.numel())
+        nbytes = fmt.HEADER_BYTES + (0 if body is None else len(body))
         handler = self._handlers.get(h.kind, self._on_unknown)
         with self._lock:
             self.stats["ctrl_bytes_in" if h.kind in _CONTROL else "bytes_in"] += nbytes
@@ -653,7 +665,7 @@ class PullService:
 
     # the handlers, one per message kind (lock held; what they return runs once it is released)
 
-    def _on_reply(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+    def _on_reply(self, h: fmt.Header, body: bytearray | None) -> None:
         pending = self._pending.pop(h.ticket, None)
         if pending is None:
             self.stats["late_replies"] += 1
@@ -662,15 +674,15 @@ class PullService:
         pending.body = body
         if h.status != fmt.ERR:
             self.stats["value_bytes_in"] += h.payload_bytes
-        pending.event.set()
+        pending.finish()
 
-    def _on_pull(self, h: fmt.Header, body: torch.Tensor | None) -> Callable[[], None] | None:
+    def _on_pull(self, h: fmt.Header, body: bytearray | None) -> Callable[[], None] | None:
         if self._closed:
             return None  # our goodbye is on its way: the requester fails the pull on it
         req, at = h.req, (h.key, h.visit)
         try:
-            select = fmt.decode_selection(body.view(torch.int64).tolist()) if body is not None else ()
-        except (fmt.WireError, RuntimeError) as exc:
+            select = _selection(bytes(body)) if body is not None else ()
+        except fmt.WireError as exc:
             entry = fmt.error_body(f"stage {self.rank} could not read the pull's selection: {exc}")
             return partial(self._reply, h.sender, h.ticket, req, h.key, h.visit, entry)
         entry = self._values.get(req, {}).get(at)
@@ -681,7 +693,7 @@ class PullService:
             return None
         return lambda: self._reply(h.sender, h.ticket, req, h.key, h.visit, fmt.select(entry, select))
 
-    def _on_cancel(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+    def _on_cancel(self, h: fmt.Header, body: bytearray | None) -> None:
         per_loc = self._waiters.get(h.req, {})
         at = (h.key, h.visit)
         who = per_loc.get(at)
@@ -694,7 +706,7 @@ class PullService:
                 if not per_loc:
                     del self._waiters[h.req]
 
-    def _on_drain(self, h: fmt.Header, body: torch.Tensor | None) -> Callable[[], None] | None:
+    def _on_drain(self, h: fmt.Header, body: bytearray | None) -> Callable[[], None] | None:
         req = h.req
         got = self._drains.setdefault(req, set())
         got.add(h.sender)
@@ -706,7 +718,7 @@ class PullService:
         self._drains.pop(req, None)
         return partial(self._answer_ended, req, self._forget(req))
 
-    def _on_bye(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+    def _on_bye(self, h: fmt.Header, body: bytearray | None) -> None:
         src = h.sender
         self._byes_in.add(src)
         for per_loc in self._waiters.values():  # its waiting pulls: nobody to answer any more
@@ -715,9 +727,8 @@ class PullService:
         for ticket, pending in list(self._pending.items()):
             if pending.owner == src:
                 del self._pending[ticket]
-                pending.error = f"stage {src} closed its pull service"
-                pending.event.set()
+                pending.finish(f"stage {src} closed its pull service")
         self._cv.notify_all()
 
-    def _on_unknown(self, h: fmt.Header, body: torch.Tensor | None) -> None:
+    def _on_unknown(self, h: fmt.Header, body: bytearray | None) -> None:
         log.error("stage %d got an unknown message kind %d from stage %d", self.rank, h.kind, h.sender)

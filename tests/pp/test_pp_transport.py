@@ -558,7 +558,7 @@ def test_a_pull_with_a_selection_moves_only_the_selected_part(tmp_path: Path) ->
     _, r1 = _run(_scenario_selections, 2, tmp_path)
     assert r1["row_same"] and r1["whole_same"]
     row, meta = 32 * 4, 32  # one float32 row; its meta words, padded
-    selection = 8 * len(fmt.encode_selection(ROW_SELECT))
+    selection = len(fmt.encode_selection(ROW_SELECT))
     assert r1["row_in"] == (HDR + meta + row,) * 2  # published before the pull, and after it
     assert r1["row_out"] == HDR + selection
     assert r1["whole_in"] == HDR + 80 + 2 * 6 * row

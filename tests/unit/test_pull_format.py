@@ -163,6 +163,20 @@ def test_bad_bodies_raise_wire_errors():
         fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, bad)
     with pytest.raises(fmt.WireError, match="not an ok value: boom"):
         fmt.decode_copy(fmt.error_body("boom"))
+    short = bytearray(fmt.buffer_of(enc.body))[:-1]  # a body cut short on the way
+    with pytest.raises(fmt.WireError, match="a body of 39 bytes cannot hold 4 meta words and a torch.float32 payload of 8 bytes"):
+        fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, short)
+
+
+def test_received_bytes_decode_to_views_of_them():
+    value = (torch.arange(6.0).view(2, 3), [torch.ones(4), torch.zeros(0)])
+    enc = fmt.encode(value)
+    received = bytearray(fmt.buffer_of(enc.body))  # what a wire hands the listener
+    back = fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, received)
+    assert torch.equal(back[0], value[0]) and torch.equal(back[1][0], value[1][0])
+    assert back[1][1].shape == (0,) and type(back[1]) is list
+    received[8 * enc.meta_words : 8 * enc.meta_words + 4] = bytes(4)  # the first float, zeroed
+    assert back[0][0, 0].item() == 0.0 and back[0][0, 1].item() == 1.0
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -209,9 +223,9 @@ def test_selections_round_trip_through_their_words():
         ("index", ()),
         ("view", SplitResidual()),
     )
-    words = fmt.encode_selection(ops)
-    assert words.dtype == torch.int64
-    back = fmt.decode_selection(words.tolist())
+    body = fmt.encode_selection(ops)
+    assert type(body) is bytes and len(body) % 8 == 0
+    back = fmt.decode_selection(fmt.words_of(body))
     assert back[:-1] == ops[:-1] and type(back[-1][1]) is SplitResidual
     for key in (True, 1.5, torch.tensor([0]), [0, 1], slice(0, 2.5), 1 << 70, "a"):
         assert not fmt.selectable_key(key), key  # (a bool is not the int it equals, as an index)
@@ -227,6 +241,8 @@ def test_selections_round_trip_through_their_words():
     ):
         with pytest.raises(fmt.WireError, match=match):
             fmt.decode_selection(bad)
+    with pytest.raises(fmt.WireError, match="not a run of int64 words"):
+        fmt.words_of(b"\x01\x02\x03")
 
 
 def test_the_owner_selects_the_part_or_hands_back_the_whole_value():
