@@ -164,7 +164,10 @@ def test_bad_bodies_raise_wire_errors():
     with pytest.raises(fmt.WireError, match="not an ok value: boom"):
         fmt.decode_copy(fmt.error_body("boom"))
     short = bytearray(fmt.buffer_of(enc.body))[:-1]  # a body cut short on the way
-    with pytest.raises(fmt.WireError, match="a body of 39 bytes cannot hold 4 meta words and a torch.float32 payload of 8 bytes"):
+    with pytest.raises(
+        fmt.WireError,
+        match="a body of 39 bytes cannot hold 4 meta words and a torch.float32 payload of 8 bytes",
+    ):
         fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, short)
 
 
