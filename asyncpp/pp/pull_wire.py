@@ -11,7 +11,7 @@ the next header of one peer and then that message's body. Two wires:
   blocks on a full socket. A listener reads its peer's bytes as they arrive. A connection opens
   only with the accepting rank's secret, which went to the group's members alone.
 * :class:`GlooWire`: gloo send/recv on the group (a rendezvous: a send completes only once the peer
-  posted the matching receive, so a completion thread waits for the posted sends). Two to four times
+  posted the matching receive, so a completion thread waits for the posted sends). Two to eight times
   slower per pull on two cores (docs/performance.md); ``ASYNCPP_PP_WIRE=gloo`` selects it.
 
 Bodies cross as raw bytes (any buffer): the sender's are not copied, the receiver's arrive in a
