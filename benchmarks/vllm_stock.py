@@ -75,6 +75,14 @@ P times (new engines, new prompts), and an engine's figure is the median over ro
 lifetime, the range of a ratio then spanning its lifetimes. Batches follow each other without a pause: the busy-polling of vLLM's processes
 after a batch's last message (about 1 s, vLLM's ``SpinCondition``) overlaps the next batch's start.
 
+``--together`` takes the other way round: the engines of one mode (those of ``--engines``) are alive
+at once, and every round runs each engine's workloads interleaved (the order rotated every round),
+with ``--pause`` seconds (default 1.5) of rest before each batch, so that the engine that ran last
+has stopped polling before the next batch is timed. A ratio is then the median of the
+round-by-round ratios of the two engines (each round's batches run within a minute of each other),
+and its range their [min, max]: load that comes and goes, and the drift of the machine, hit both
+engines alike. The report goes to a section of its own in docs/performance.md.
+
 Correctness on the way: the greedy tokens of asyncpp's plain requests and empty-block traces (and,
 for information, reading traces) must equal a stock engine's for the same prompts (stock with
 asyncpp settings in the same mode, else stock defaults in that mode); a difference is reported
@@ -123,6 +131,9 @@ import bench_common
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
 SECTION = "## vLLM against stock vLLM (benchmarks/vllm_stock.py, issue 14)"
+SECTION_TOGETHER = (
+    "## vLLM against stock vLLM, engines alive together (benchmarks/vllm_stock.py --together, issue 14)"
+)
 
 PROMPT_MIN, PROMPT_MAX = 8, 64
 PROMPT_VOCAB = 256  # the byte tokens of the tiny tokenizer (its specials are 256-258)
@@ -372,6 +383,7 @@ class Live:
     asyncpp_compile_seconds: float | None
     scheduler: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    run: EngineRun | None = None  # where the runner records it
 
 
 def _scheduler(llm: Any) -> dict[str, Any]:
@@ -586,13 +598,17 @@ def _machine_busy_seconds() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-async def measure_engine(live: Live, model: str, res: Results, pass_index: int) -> None:
+async def measure(lives: list[Live], model: str, res: Results, pass_index: int, pause: float = 0.0) -> None:
+    """A warm-up round, then the timed rounds on the engines given (alive together: their batches
+    interleaved, each engine's workloads and the engines in an order rotated every round), with
+    ``pause`` seconds before each batch."""
     args = res.args
     n = args.max_new_tokens
-    spec = live.spec
-    workloads = spec.workloads
+    jobs = [(live, w) for live in lives for w in live.spec.workloads]
 
-    async def timed(workload: str, prompts: list[list[int]]) -> tuple[Sample, list[list[int]]]:
+    async def timed(live: Live, workload: str, prompts: list[list[int]]) -> tuple[Sample, list[list[int]]]:
+        if pause:
+            await asyncio.sleep(pause)
         m0, c0 = _machine_busy_seconds(), live.procs.sample()
         t0 = perf()
         tokens = await run_batch(live, workload, prompts, n)
@@ -605,71 +621,105 @@ async def measure_engine(live: Live, model: str, res: Results, pass_index: int) 
     # warm-up: every workload and B, untimed (round -1: the same prompts on every engine)
     for b in args.batches:
         prompts = make_prompts(b, args.seed, -1)
-        for w in workloads:
-            res.tokens[(model, spec.name, w, -1, b)] = await run_batch(live, w, prompts, n)
+        for live, w in jobs:
+            res.tokens[(model, live.spec.name, w, -1, b)] = await run_batch(live, w, prompts, n)
     for rnd in range(args.rounds):
         round_id = pass_index * args.rounds + rnd
-        k = round_id % len(workloads)
-        order = workloads[k:] + workloads[:k]
+        k = round_id % len(jobs)
+        order = jobs[k:] + jobs[:k]
         gc.collect()
         for b in args.batches:
             prompts = make_prompts(b, args.seed, round_id)
-            for w in order:
-                sample, tokens = await timed(w, prompts)
-                res.samples.setdefault((model, spec.name, w, b), []).append(sample)
-                res.tokens[(model, spec.name, w, round_id, b)] = tokens
+            for live, w in order:
+                sample, tokens = await timed(live, w, prompts)
+                res.samples.setdefault((model, live.spec.name, w, b), []).append(sample)
+                res.tokens[(model, live.spec.name, w, round_id, b)] = tokens
         for b in args.batches:
-            last = {w: res.samples[(model, spec.name, w, b)][-1] for w in workloads}
-            figures = ", ".join(f"{w} {s.tokens / max(s.cpu_all, 1e-9):.0f}" for w, s in last.items())
+            last = {
+                f"{live.spec.name} {w}": res.samples[(model, live.spec.name, w, b)][-1] for live, w in jobs
+            }
+            figures = ", ".join(f"{name} {s.tokens / max(s.cpu_all, 1e-9):.0f}" for name, s in last.items())
             print(f"  round {rnd + 1}/{args.rounds}, B={b}: tok/CPU-s {figures}", flush=True)
 
 
+def _start(res: Results, model: str, spec: EngineSpec, model_dir: Path, what: str) -> Live | None:
+    """Start one engine and record it (None, with the error recorded, where it did not start)."""
+    run = EngineRun(model, spec)
+    res.runs.append(run)
+    print(f"starting {what}...", flush=True)
+    try:
+        live = start_engine(spec, model_dir)
+    except Exception as err:
+        run.error = f"start failed: {type(err).__name__}: {err}"
+        print(f"  {run.error}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        return None
+    run.start_seconds = live.start_seconds
+    run.asyncpp_compile_seconds = live.asyncpp_compile_seconds
+    run.scheduler = live.scheduler
+    run.workers = live.procs.how_found()
+    run.notes = live.notes
+    for note in live.notes:
+        print(f"  note: {note}", flush=True)
+    print(
+        f"  ready in {live.start_seconds:.1f} s; workers {run.workers}; "
+        f"engine core {[p.pid for p in live.procs.core]}",
+        flush=True,
+    )
+    live.run = run
+    return live
+
+
+def _engines_cpu(lives: list[Live]) -> float:
+    """CPU seconds so far of the engines' processes, this one (which holds them all) counted once."""
+    samples = [live.procs.sample() for live in lives]
+    return sum(x[0] for x in samples) - sum(x[1] for x in samples[1:])
+
+
 def run_all(res: Results, model_dirs: dict[str, Path]) -> None:
-    """Every engine in turn, one alive at a time; the machine's CPU use during the measurements."""
+    """Every engine in turn, one alive at a time (with ``--together``: the engines of one mode
+    alive at once, their batches interleaved); the machine's CPU use during the measurements."""
     args = res.args
     window = mine = every = 0.0
+    specs = [ENGINES[e] for e in args.engines]
+    if args.together:
+        groups = [[sp for sp in specs if sp.mode == mode] for mode in ("eager", "compiled")]
+        groups = [g for g in groups if g]
+    else:
+        groups = [[sp] for sp in specs]
     with asyncio.Runner() as runner:
         for pass_index in range(args.passes):
             for model in args.models:
-                for spec in [ENGINES[e] for e in args.engines]:
-                    run = EngineRun(model, spec)
-                    res.runs.append(run)
-                    what = f"{spec.name} on {model}" + (
-                        f" (pass {pass_index + 1})" if args.passes > 1 else ""
-                    )
-                    print(f"starting {what}...", flush=True)
+                for group in groups:
+                    lives: list[Live] = []
                     try:
-                        live = start_engine(spec, model_dirs[model])
-                    except Exception as err:
-                        run.error = f"start failed: {type(err).__name__}: {err}"
-                        print(f"  {run.error}", file=sys.stderr, flush=True)
-                        traceback.print_exc()
-                        continue
-                    run.start_seconds = live.start_seconds
-                    run.asyncpp_compile_seconds = live.asyncpp_compile_seconds
-                    run.scheduler = live.scheduler
-                    run.workers = live.procs.how_found()
-                    run.notes = live.notes
-                    for note in live.notes:
-                        print(f"  note: {note}", flush=True)
-                    print(
-                        f"  ready in {live.start_seconds:.1f} s; workers {run.workers}; "
-                        f"engine core {[p.pid for p in live.procs.core]}",
-                        flush=True,
-                    )
-                    t0, c0, m0 = perf(), live.procs.sample()[0], _machine_busy_seconds()
-                    try:
-                        runner.run(measure_engine(live, model, res, pass_index))
-                    except Exception as err:
-                        run.error = f"run failed: {type(err).__name__}: {err}"
-                        print(f"  {run.error}", file=sys.stderr, flush=True)
-                        traceback.print_exc()
+                        for spec in group:
+                            what = f"{spec.name} on {model}" + (
+                                f" (pass {pass_index + 1})" if args.passes > 1 else ""
+                            )
+                            live = _start(res, model, spec, model_dirs[model], what)
+                            if live is not None:
+                                lives.append(live)
+                        if not lives:
+                            continue
+                        t0, m0, c0 = perf(), _machine_busy_seconds(), _engines_cpu(lives)
+                        try:
+                            runner.run(measure(lives, model, res, pass_index, args.pause))
+                        except Exception as err:
+                            for live in lives:
+                                live.run.error = f"run failed: {type(err).__name__}: {err}"
+                            print(f"  run failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                            traceback.print_exc()
+                        finally:
+                            seconds = perf() - t0
+                            for live in lives:
+                                live.run.seconds = seconds
+                            window += seconds
+                            mine += _engines_cpu(lives) - c0
+                            every += _machine_busy_seconds() - m0
                     finally:
-                        run.seconds = perf() - t0
-                        window += run.seconds
-                        mine += live.procs.sample()[0] - c0
-                        every += _machine_busy_seconds() - m0
-                        close_engine(live)
+                        for live in lives:
+                            close_engine(live)
     if window > 0:
         cores = bench_common.usable_cores()
         res.load["CPU use during the measurements"] = (
@@ -691,8 +741,15 @@ def verdict(value: float, hi: float, target: float) -> str:
 
 
 def ratio_range(res: Results, a: Key, s: Key, what: str) -> tuple[float, float, float]:
-    """The ratio of a over s (best lifetimes), and its range: over lifetimes with several passes,
-    else over rounds."""
+    """The ratio of a over s, and its range. Engines alive together (``--together``): the median
+    of the round-by-round ratios (each round's batches of both ran minutes apart at most) and their
+    range. Else: the best lifetimes' ratio, its range over lifetimes with several passes, else over
+    rounds."""
+    if res.args.together:
+        ra, rs = res.per_round(a, what), res.per_round(s, what)
+        if len(ra) == len(rs):
+            pairs = [x / y for x, y in zip(ra, rs, strict=True)]
+            return median(pairs), min(pairs), max(pairs)
     la, ls = res.lifetimes(a, what), res.lifetimes(s, what)
     if len(la) > 1 and len(ls) > 1:
         return max(la) / max(ls), min(la) / max(ls), max(la) / min(ls)
@@ -1085,7 +1142,26 @@ def render(res: Results, info: dict[str, str], checks: list[Check]) -> str:
         if defaults
         else ""
     )
-    return f"""{SECTION}
+    if args.together:
+        order_text = (
+            "The engines of one mode are alive together and their batches interleave, the order "
+            f"rotated every round, with {args.pause:g} s of rest before each batch (vLLM's processes "
+            "poll for about 1 s after a batch); a ratio is the median of the round-by-round ratios, "
+            "its range their [min, max]: each round's batches of both engines run within a minute, "
+            "so load that comes and goes hits both alike. The engines' figures are medians over "
+            "rounds of their best lifetime (with several passes)."
+        )
+    else:
+        order_text = (
+            "Only one engine is alive at a time (2 cores, 24 GiB), so a ratio is taken across engine "
+            "lifetimes, minutes apart, not round by round; and a whole lifetime is sometimes slow on "
+            "this machine (the same stock engine: 4213 and 2467 tokens per CPU second in two starts "
+            "on an idle machine, each steady over its rounds). With several passes (engine "
+            "lifetimes) an engine's figure is the median of its best lifetime, and a ratio's range "
+            "[min/max, max/min] spans the lifetimes; with one, the rounds. (`--together` keeps the "
+            "engines of a mode alive at once and pairs their rounds: its own section.)"
+        )
+    return f"""{SECTION_TOGETHER if args.together else SECTION}
 
 asyncpp's engines against stock vLLM engines (vLLM's own worker, `AsyncLLM`) on the same model,
 requests and mode. Engines: stock with asyncpp's scheduler settings (chunked prefill off,
@@ -1104,12 +1180,7 @@ and its live descendants, EngineCore and worker: each one's CPU clock, `clock_ge
 worker's alone beside it
 (asyncpp: pids from `engine.worker_stats()`, checked against the process titles; stock: the
 descendants titled `VLLM::Worker`). Ratios asyncpp / stock, higher is better; medians over
-{rounds} after a warm-up round. Only one engine is alive at a time (2 cores, 24 GiB), so a ratio is
-taken across engine lifetimes, minutes apart, not round by round; and a whole lifetime is sometimes
-slow on this machine (the same stock engine: 4213 and 2467 tokens per CPU second in two starts on
-an idle machine, each steady over its rounds). With several passes (engine lifetimes) an engine's
-figure is the median of its best lifetime, and a ratio's range [min/max, max/min] spans the
-lifetimes; with one, the rounds. Verdict: pass when the median meets the target, FAIL when the range's top misses
+{rounds} after a warm-up round. {order_text} Verdict: pass when the median meets the target, FAIL when the range's top misses
 it. "Other work" is the CPU the machine's other processes took during an engine's batches (all CPU
 in `/proc/stat` less the engine's processes'), in cores: with `nobind` the worker runs one OpenMP
 thread per core, and a core taken by other work stalls its parallel regions (threads wait for the
@@ -1197,8 +1268,23 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help=f"a smoke run: tiny model, B=16, 1 round, engines {', '.join(QUICK_ENGINES)} (unless given)",
     )
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="the engines of one mode alive at once, their batches interleaved round by round, and "
+        "ratios taken round by round (default: one engine at a time)",
+    )
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=None,
+        help="seconds of rest before each batch (default 1.5 with --together, so the engine that ran "
+        "last has stopped polling; else 0)",
+    )
     ap.add_argument("--write", action="store_true", help="update the section in docs/performance.md")
     args = ap.parse_args()
+    if args.pause is None:
+        args.pause = 1.5 if args.together else 0.0
     if args.quick:
         args.models, args.batches, args.rounds, args.passes = "tiny", "16", 1, 1
         args.engines = args.engines or ",".join(QUICK_ENGINES)
@@ -1253,7 +1339,7 @@ def main() -> int:
     text = render(res, info, checks)
     print(text)
     if args.write:
-        bench_common.write_section(SECTION, text, DOC)
+        bench_common.write_section(SECTION_TOGETHER if args.together else SECTION, text, DOC)
         print(f"wrote the section to {DOC.relative_to(ROOT)}")
     failed = any(r.error for r in res.runs) or any(c.required and not c.ok for c in checks)
     return 1 if failed else 0
