@@ -182,8 +182,8 @@ class _Peer:
         """Receive until at least ``n`` (at most the inbox's size) bytes are waiting in the inbox."""
         if self.hi - self.lo >= n:
             return
-        if self.lo:  # move what is left to the front, making room behind it
-            self.inbox[: self.hi - self.lo] = self.view[self.lo : self.hi]
+        if self.lo:  # move what is left to the front, making room behind it (via a copy: they overlap)
+            self.inbox[: self.hi - self.lo] = bytes(self.view[self.lo : self.hi])
             self.hi -= self.lo
             self.lo = 0
         while self.hi < n:
