@@ -356,10 +356,7 @@ def _structure(meta: Sequence[int]) -> Any:
 def _build(node: Any, payload: torch.Tensor) -> Any:
     """The value of a structure: its leaves as views of ``payload``."""
     if type(node) is _Leaf:
-        n = math.prod(node.shape)
-        if node.offset == 0 and n == payload.numel():  # the whole payload (the common case)
-            return payload.view(node.shape)
-        return payload[node.offset : node.offset + n].view(node.shape)
+        return payload[node.offset : node.offset + math.prod(node.shape)].view(node.shape)
     return type(node)(_build(child, payload) for child in node)
 
 
@@ -546,6 +543,5 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
     nbytes = math.prod(shape) * itemsize
     body = bytearray(struct.pack(f"<{len(meta)}q", *meta))
     body += data[start : start + nbytes]
-    part = Encoded(OK, entry.dtype, len(meta), nbytes, torch.frombuffer(body, dtype=torch.uint8))
-    part._data = memoryview(body)
-    return part
+    tensor = torch.frombuffer(body, dtype=torch.uint8)
+    return Encoded(OK, entry.dtype, len(meta), nbytes, tensor, _data=memoryview(body))
