@@ -138,6 +138,7 @@ SECTION_TOGETHER = (
 PROMPT_MIN, PROMPT_MAX = 8, 64
 PROMPT_VOCAB = 256  # the byte tokens of the tiny tokenizer (its specials are 256-258)
 KV_CACHE_BYTES = 2**30
+STEP_CLOCK = "step_clock.StepClock"  # benchmarks/step_clock.py, on every engine's workers
 MAX_MODEL_LEN = 512
 
 # the environment every engine of the run gets (its processes inherit it)
@@ -280,6 +281,7 @@ def stock_options(model: Path, spec: EngineSpec) -> dict[str, Any]:
         "enable_prefix_caching": False,
         "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "use_tqdm_on_load": False,  # as asyncpp's quiet engines
+        "worker_extension_cls": STEP_CLOCK,
     }
     if spec.settings == "asyncpp":
         options.update(ASYNCPP_SETTINGS)
@@ -415,7 +417,7 @@ def start_engine(spec: EngineSpec, model: Path) -> Live:
     else:
         import asyncpp
 
-        engine = asyncpp.VllmEngine(model, dtype="float32", mode=spec.mode)
+        engine = asyncpp.VllmEngine(model, dtype="float32", mode=spec.mode, worker_extension_cls=STEP_CLOCK)
         start = perf() - t0
         llm, loop = engine.async_llm, engine.loop
         try:
@@ -478,6 +480,10 @@ class Sample:
     cpu_core: float  # s, the engine core
     cpu_worker: float  # s, the worker(s)
     cpu_machine: float  # s, every process of the machine (/proc/stat)
+    cpu_step: float = 0.0  # s, the workers' CPU inside their step calls (step_clock.py)
+    wall_step: float = 0.0  # s, the workers' wall time inside their step calls
+    steps: int = 0  # the workers' step calls
+    decode_steps: list[float] = field(default_factory=list)  # s, CPU of each step decoding the whole batch
     life: int = 0  # the pass (engine lifetime) it was measured in
 
 
@@ -591,6 +597,31 @@ class Results:
         return max(0.0, sum(s.cpu_machine - s.cpu_all for s in ss)) / sum(s.wall for s in ss)
 
 
+async def _rpc(live: Live, method: str) -> list[Any]:
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(live.llm.collective_rpc(method), live.loop))
+
+
+async def step_clock(live: Live) -> tuple[int, int, int]:
+    """The workers' step clocks summed (step_clock.py): CPU ns, wall ns, calls."""
+    per_worker = await _rpc(live, "bench_step_clock")
+    return tuple(sum(w[i] for w in per_worker) for i in range(3))  # type: ignore[return-value]
+
+
+async def decode_steps(live: Live, batch: int) -> list[float]:
+    """CPU seconds of each of the first worker's steps since the last call that decoded exactly
+    ``batch`` tokens (one per request of the whole batch: steps of the same work)."""
+    log = (await _rpc(live, "bench_step_log"))[0]
+    return [ns / 1e9 for tokens, ns in log if tokens == batch]
+
+
+def _quantiles(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    ys = sorted(xs)
+    q = [ys[int(f * (len(ys) - 1))] * 1e6 for f in (0.0, 0.1, 0.25, 0.5)]
+    return f"{len(ys)}:" + "/".join(f"{v:.0f}" for v in q)
+
+
 def _machine_busy_seconds() -> float:
     """CPU seconds every process of the machine has used since boot (/proc/stat)."""
     vals = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -609,13 +640,22 @@ async def measure(lives: list[Live], model: str, res: Results, pass_index: int, 
     async def timed(live: Live, workload: str, prompts: list[list[int]]) -> tuple[Sample, list[list[int]]]:
         if pause:
             await asyncio.sleep(pause)
+        s0 = await step_clock(live)
+        await decode_steps(live, 0)  # empties the log
         m0, c0 = _machine_busy_seconds(), live.procs.sample()
         t0 = perf()
         tokens = await run_batch(live, workload, prompts, n)
         wall = perf() - t0
         c1, m1 = live.procs.sample(), _machine_busy_seconds()
+        s1 = await step_clock(live)
+        dec = await decode_steps(live, len(prompts))
         d = [b - a for a, b in zip(c0, c1, strict=True)]
-        sample = Sample(wall, sum(len(t) for t in tokens), d[0], d[1], d[2], d[3], m1 - m0, pass_index)
+        ds = [b - a for a, b in zip(s0, s1, strict=True)]
+        sample = Sample(
+            wall, sum(len(t) for t in tokens), d[0], d[1], d[2], d[3], m1 - m0, ds[0] / 1e9, ds[1] / 1e9, ds[2]
+        )
+        sample.life = pass_index
+        sample.decode_steps = dec
         return sample, tokens
 
     # warm-up: every workload and B, untimed (round -1: the same prompts on every engine)
@@ -638,8 +678,12 @@ async def measure(lives: list[Live], model: str, res: Results, pass_index: int, 
             last = {
                 f"{live.spec.name} {w}": res.samples[(model, live.spec.name, w, b)][-1] for live, w in jobs
             }
-            figures = ", ".join(f"{name} {s.tokens / max(s.cpu_all, 1e-9):.0f}" for name, s in last.items())
-            print(f"  round {rnd + 1}/{args.rounds}, B={b}: tok/CPU-s {figures}", flush=True)
+            figures = ", ".join(
+                f"{name} {s.tokens / max(s.cpu_all, 1e-9):.0f} / {s.tokens / max(s.cpu_step, 1e-9):.0f}"
+                f" / {_quantiles(s.decode_steps)}"
+                for name, s in last.items()
+            )
+            print(f"  round {rnd + 1}/{args.rounds}, B={b}: tok/CPU-s all / in steps: {figures}", flush=True)
 
 
 def _start(res: Results, model: str, spec: EngineSpec, model_dir: Path, what: str) -> Live | None:
@@ -1316,6 +1360,9 @@ def main() -> int:
     os.environ.update({**ENV_FORCED, "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind})
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
+    # the engines' processes import the step clock (STEP_CLOCK) from this folder
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     _import_vllm()
     import vllm
 
