@@ -45,7 +45,9 @@ class StepClock:
         return out
 
 
-def _timed(call: Callable[..., Any], totals: list[int], log: list[list[int]], starts: bool) -> Callable[..., Any]:
+def _timed(
+    call: Callable[..., Any], totals: list[int], log: list[list[int]], starts: bool
+) -> Callable[..., Any]:
     cpu, wall = time.clock_gettime_ns, time.perf_counter_ns
 
     def timed(*args: Any, **kwargs: Any) -> Any:

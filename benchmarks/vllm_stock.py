@@ -54,6 +54,17 @@ during each batch is read too: what other work took ("other work", in cores) is 
 ratios, since on 2 cores (with ``nobind`` most of all) a core taken by other work stalls the worker's OpenMP
 threads and inflates its CPU per token many times over.
 
+Inside the workers' steps, the measure that holds still best here: every engine's workers (stock's
+and asyncpp's alike) get ``benchmarks/step_clock.py`` mixed in (``worker_extension_cls``), which
+times each ``execute_model`` and ``sample_tokens`` call with the worker process's CPU clock; this
+folder goes on ``PYTHONPATH`` for the engines' processes. vLLM's processes poll their queues between
+steps, so whole-process CPU follows wall time; the CPU inside the steps is the work a step does
+(the model, vLLM's runner, and on asyncpp every block served). Per batch: the median CPU of the steps
+that decode the whole batch (exactly B scheduled tokens: steps of the same work, whatever the
+prompts), and all steps' CPU per generated token (prefill steps, where blocks start, and the last,
+where they end, included). An engine's figure is the lowest over rounds: on this machine the noise
+only adds (whole batches run up to 1.6x slower at times, every step alike, then fast again).
+
 Ratios are asyncpp / stock in tokens per CPU second (higher is better), same model, B, settings
 (asyncpp's) and mode, for each workload; and asyncpp's best mode against stock's best (the better
 engine of each side by tokens per CPU second, stock's over both settings). The range next to a ratio
@@ -591,6 +602,16 @@ class Results:
         lifetime on this machine is sometimes slow as a whole, by up to 2x: see the docstring)."""
         return max(self.lifetimes(key, what))
 
+    def step_cpu(self, key: Key, what: str) -> float:
+        """Worker CPU seconds inside its steps (step_clock.py), the lowest over rounds (noise on
+        this machine only adds: whole batches run up to 1.6x slower at times): ``decode``, the
+        median step decoding the whole batch; ``token``, all steps of a batch per generated token."""
+        if what == "decode":
+            values = [median(s.decode_steps) for s in self.samples[key] if s.decode_steps]
+        else:
+            values = [s.cpu_step / s.tokens for s in self.samples[key] if s.tokens and s.cpu_step > 0]
+        return min(values) if values else float("nan")
+
     def other_cores(self, key: Key) -> float:
         """Cores other work took during these batches (the machine's CPU less the engine's)."""
         ss = self.samples[key]
@@ -598,7 +619,9 @@ class Results:
 
 
 async def _rpc(live: Live, method: str) -> list[Any]:
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(live.llm.collective_rpc(method), live.loop))
+    return await asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(live.llm.collective_rpc(method), live.loop)
+    )
 
 
 async def step_clock(live: Live) -> tuple[int, int, int]:
@@ -612,14 +635,6 @@ async def decode_steps(live: Live, batch: int) -> list[float]:
     ``batch`` tokens (one per request of the whole batch: steps of the same work)."""
     log = (await _rpc(live, "bench_step_log"))[0]
     return [ns / 1e9 for tokens, ns in log if tokens == batch]
-
-
-def _quantiles(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    ys = sorted(xs)
-    q = [ys[int(f * (len(ys) - 1))] * 1e6 for f in (0.0, 0.1, 0.25, 0.5)]
-    return f"{len(ys)}:" + "/".join(f"{v:.0f}" for v in q)
 
 
 def _machine_busy_seconds() -> float:
@@ -652,7 +667,16 @@ async def measure(lives: list[Live], model: str, res: Results, pass_index: int, 
         d = [b - a for a, b in zip(c0, c1, strict=True)]
         ds = [b - a for a, b in zip(s0, s1, strict=True)]
         sample = Sample(
-            wall, sum(len(t) for t in tokens), d[0], d[1], d[2], d[3], m1 - m0, ds[0] / 1e9, ds[1] / 1e9, ds[2]
+            wall,
+            sum(len(t) for t in tokens),
+            d[0],
+            d[1],
+            d[2],
+            d[3],
+            m1 - m0,
+            ds[0] / 1e9,
+            ds[1] / 1e9,
+            ds[2],
         )
         sample.life = pass_index
         sample.decode_steps = dec
@@ -680,10 +704,13 @@ async def measure(lives: list[Live], model: str, res: Results, pass_index: int, 
             }
             figures = ", ".join(
                 f"{name} {s.tokens / max(s.cpu_all, 1e-9):.0f} / {s.tokens / max(s.cpu_step, 1e-9):.0f}"
-                f" / {_quantiles(s.decode_steps)}"
+                f" / {median(s.decode_steps) * 1e6 if s.decode_steps else 0:.0f} us"
                 for name, s in last.items()
             )
-            print(f"  round {rnd + 1}/{args.rounds}, B={b}: tok/CPU-s all / in steps: {figures}", flush=True)
+            print(
+                f"  round {rnd + 1}/{args.rounds}, B={b}: tok/CPU-s all / in steps / decode step: {figures}",
+                flush=True,
+            )
 
 
 def _start(res: Results, model: str, spec: EngineSpec, model_dir: Path, what: str) -> Live | None:
@@ -854,6 +881,49 @@ def ratio_table(res: Results) -> str:
             "other work, cores: asyncpp / stock",
             "target",
             "verdict",
+        ],
+        rows,
+    )
+
+
+def step_table(res: Results) -> str:
+    """asyncpp against stock inside the workers' steps (step_clock.py), lowest over rounds."""
+    rows = []
+    for model in res.args.models:
+        for b in res.args.batches:
+            for mode in ("eager", "compiled"):
+                a_name, s_name = f"asyncpp-{mode}", f"stock-asyncpp-{mode}"
+                s_key = (model, s_name, "plain", b)
+                if not res.has(s_key):
+                    continue
+                for w in WORKLOADS:
+                    a_key = (model, a_name, w, b)
+                    if not res.has(a_key):
+                        continue
+                    da, ds = res.step_cpu(a_key, "decode"), res.step_cpu(s_key, "decode")
+                    ta, ts = res.step_cpu(a_key, "token"), res.step_cpu(s_key, "token")
+                    rows.append(
+                        [
+                            f"{model}, B={b}, {mode}",
+                            LABEL[w],
+                            f"{da * 1e6:.0f} / {ds * 1e6:.0f}",
+                            f"{ds / da:.3f}",
+                            f"{ta * 1e6:.1f} / {ts * 1e6:.1f}",
+                            f"{ts / ta:.3f}",
+                            f">= {TARGET[w]}",
+                            "pass" if ts / ta >= TARGET[w] else "**miss**",
+                        ]
+                    )
+    return bench_common.md_table(
+        [
+            "model, B, mode",
+            "asyncpp workload",
+            "decode step, us: asyncpp / stock",
+            "ratio, decode steps",
+            "all steps, us per token: asyncpp / stock",
+            "ratio, all steps",
+            "target",
+            "verdict (all steps)",
         ],
         rows,
     )
@@ -1245,6 +1315,17 @@ CPU it runs `DYNAMO_TRACE_ONCE`):
 asyncpp against stock vLLM with the same settings (asyncpp's) and mode:
 
 {ratio_table(res)}
+
+Inside the workers' steps: the CPU time the worker process spends in its step calls
+(`execute_model` and `sample_tokens`, timed by `benchmarks/step_clock.py`, mixed into stock's
+worker and asyncpp's alike with `worker_extension_cls`), which leaves out the polling of vLLM's
+processes between steps. "Decode step": the median CPU of a batch's steps that decode the whole
+batch (B tokens, one per request: steps of the same work); "all steps": every step of a batch, per
+generated token (also the prefill steps, where blocks start, and the last, where they end). Each is
+the lowest over rounds: the noise on this machine only adds (whole batches at times run up to 1.6x
+slower, every step alike). Ratios stock / asyncpp (higher is better, as above):
+
+{step_table(res)}
 
 asyncpp's own cost, measured steadily: each block workload against plain requests on the same
 asyncpp engine in the same round (a whole engine lifetime can be slow on this machine; the
