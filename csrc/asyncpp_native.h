@@ -33,4 +33,7 @@ PyObject* narrow_rows(PyObject* value, Py_ssize_t start, Py_ssize_t stop, Py_ssi
 // ``await trap`` through a C iterator instead of a Python generator (trap_await.cpp).
 void register_await(pybind11::module_& m);
 
+// The C++ CPU kernel of the ``asyncpp::tap`` operator, a compiled vLLM engine's taps (tap_op.cpp).
+void register_tap(pybind11::module_& m);
+
 }  // namespace asyncpp

@@ -273,3 +273,49 @@ def test_an_output_that_cannot_be_a_tap_is_named():
     with pytest.raises(TapError, match="mod.x cannot be a tap: its output is a dict"):
         taps.flatten({"a": torch.ones(1)}, "mod.x")
     assert taps.flatten((torch.ones(1), None), "p")[1] == [1, 0]
+
+
+@pytest.mark.skipif(not enabled(), reason="the native extension is off")
+def test_the_native_tap_kernel_counts_cold_calls_and_hands_hot_ones_to_python(monkeypatch):
+    """The C++ kernel of ``asyncpp::tap`` (bound while native controllers serve the taps) makes
+    the check and the count of a tap nobody waits on itself, calls ``taps._tap`` with the very
+    same tensors for the others, lets its errors through, and is gone after ``unbind``."""
+    from asyncpp.native import load
+
+    native = load()
+    op = torch.ops.asyncpp.tap.default
+    hot_in, hot_out, counts, calls = set(), {5}, [0] * 8, []
+
+    def slow(values, site, layout, stage):
+        calls.append((values, site, layout, stage))
+        if site == 6:
+            raise ValueError("the Python kernel failed")
+
+    native.tap_register()
+    native.tap_bind(hot_in, hot_out, counts, slow)
+    assert "tap_op.cpp" in torch._C._dispatch_dump_table("asyncpp::tap")
+    try:
+        h, r = torch.randn(3, 4), torch.randn(3, 4)
+        with torch.inference_mode():
+            for _ in range(3):
+                op([h, r], 3, [1, 1], OUTPUT)
+            op([h], 2, [taps.BARE], INPUT)  # a cold input tap: neither counted nor passed on
+            assert counts == [0, 0, 0, 3, 0, 0, 0, 0] and calls == []
+            op([h, r], 5, [1, 0, 1], OUTPUT)
+            ((values, site, layout, stage),) = calls
+            assert values[0] is h and values[1] is r and (site, layout, stage) == (5, [1, 0, 1], OUTPUT)
+            hot_in.add(2)
+            op([h], 2, [taps.BARE], INPUT)
+            assert calls[-1][1:] == (2, [taps.BARE], INPUT)
+            hot_out.add(6)
+            with pytest.raises(ValueError, match="the Python kernel failed"):
+                op([h], 6, [taps.BARE], OUTPUT)
+            native.tap_active(False)  # standing aside: nothing served, nothing counted
+            op([h, r], 3, [1, 1], OUTPUT)
+            op([h, r], 5, [1, 1], OUTPUT)
+            assert counts[3] == 3 and len(calls) == 3
+    finally:
+        native.tap_unbind()
+        native.tap_register(False)
+    # the operator's Python kernel serves CPU tensors again
+    assert "tap_op.cpp" not in torch._C._dispatch_dump_table("asyncpp::tap")

@@ -53,19 +53,33 @@ class _Server:
 
 
 _server: _Server | None = None
+# the native extension where the controllers are native: its C++ kernel of the operator makes the
+# check of a tap nobody waits on (and its count) and calls _tap for the others
+_native: Any = None
 
 
 def bind(kernel: Any, controllers: Any, sites: Iterable[int]) -> None:
     """Serve this process's taps from ``kernel``, through ``controllers`` (the model's
     :class:`~asyncpp.native.controllers.Controllers`, whose link the kernel drives) at the output
     taps ``sites``."""
-    global _server
-    _server = _Server(kernel, controllers, sites)
+    global _server, _native
+    unbind()
+    _server = server = _Server(kernel, controllers, sites)
+    if controllers.native:
+        from ...native import load
+
+        _native = load()
+        _native.tap_register()
+        _native.tap_bind(server.hot_in, server.hot_out, server.counts, _tap)
 
 
 def unbind() -> None:
-    global _server
+    global _server, _native
     _server = None
+    if _native is not None:
+        _native.tap_unbind()
+        _native.tap_register(False)  # (a later bind may be to Python controllers)
+        _native = None
 
 
 @contextlib.contextmanager
@@ -74,10 +88,14 @@ def standing_aside() -> Iterator[None]:
     modules' controllers serve every location instead (an auto engine's eager step)."""
     global _server
     server, _server = _server, None
+    if _native is not None:
+        _native.tap_active(False)
     try:
         yield
     finally:
         _server = server
+        if _native is not None:
+            _native.tap_active(server is not None)
 
 
 def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None:

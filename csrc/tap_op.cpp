@@ -1,0 +1,142 @@
+// The CPU kernel of ``asyncpp::tap``, the operator a compiled vLLM engine calls at every tap
+// (asyncpp/engines/vllm/taps.py defines it). A tap nobody waits on must cost one check: with the
+// operator's kernel in Python, the dispatcher's trip into Python and back cost about 4 us per tap,
+// some 14 taps a step on a small model. Here the check (is the tap's module index in the run's hot
+// set?) and the count of a call nobody waited on are made in C++; only a tap a block waits on goes
+// on to the Python kernel (``taps._tap``), with the same arguments.
+#include "asyncpp_native.h"
+
+namespace {
+
+constexpr int64_t kOutput = 2;  // asyncpp.kernel.traps.OUTPUT: a tap on a module's output
+
+// What the kernel reads, set by taps.bind() through tap_bind(); guarded by the GIL.
+struct TapState {
+  PyObject* hot_in = nullptr;   // set: module indices with waits on their input
+  PyObject* hot_out = nullptr;  // set: module indices with waits on their output
+  PyObject* counts = nullptr;   // list: calls per module index nobody waited on, this step
+  PyObject* slow = nullptr;     // taps._tap: the whole kernel, for a tap someone waits on
+  bool active = false;          // false: unbound, or standing aside (an auto engine's eager step)
+};
+
+TapState state;
+
+void clear_state() {
+  Py_CLEAR(state.hot_in);
+  Py_CLEAR(state.hot_out);
+  Py_CLEAR(state.counts);
+  Py_CLEAR(state.slow);
+  state.active = false;
+}
+
+// counts[site] += 1, as the Python kernel does. -1 with a Python error set on failure.
+int count_call(int64_t site) {
+  PyObject* counts = state.counts;
+  if (site < 0 || site >= PyList_GET_SIZE(counts)) {
+    PyErr_Format(PyExc_IndexError, "asyncpp::tap: module index %lld has no call count", (long long)site);
+    return -1;
+  }
+  PyObject* old = PyList_GET_ITEM(counts, site);
+  PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
+  if (!next) return -1;
+  PyList_SET_ITEM(counts, site, next);
+  Py_DECREF(old);
+  return 0;
+}
+
+PyObject* int_list(c10::IntArrayRef xs) {
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(xs.size()));
+  if (!out) return nullptr;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    PyObject* x = PyLong_FromLongLong(xs[i]);
+    if (!x) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), x);
+  }
+  return out;
+}
+
+// The Python kernel, for a tap a block waits on. 0, or -1 with a Python error set.
+int call_slow(at::TensorList values, int64_t site, c10::IntArrayRef layout, int64_t stage) {
+  PyObject* tensors = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (!tensors) return -1;
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* t = THPVariable_Wrap(values[i]);  // the tensor's own Python object where it has one
+    if (!t) {
+      Py_DECREF(tensors);
+      return -1;
+    }
+    PyList_SET_ITEM(tensors, static_cast<Py_ssize_t>(i), t);
+  }
+  PyObject* lay = int_list(layout);
+  PyObject* out = lay ? PyObject_CallFunction(state.slow, "OLOL", tensors, (long long)site, lay, (long long)stage)
+                      : nullptr;
+  Py_DECREF(tensors);
+  Py_XDECREF(lay);
+  if (!out) return -1;
+  Py_DECREF(out);
+  return 0;
+}
+
+void tap_cpu(at::TensorList values, int64_t site, c10::IntArrayRef layout, int64_t stage) {
+  pybind11::gil_scoped_acquire gil;
+  if (!state.active) return;
+  PyObject* key = PyLong_FromLongLong(site);
+  if (!key) throw pybind11::error_already_set();
+  int hot = PySet_Contains(stage == kOutput ? state.hot_out : state.hot_in, key);
+  Py_DECREF(key);
+  if (hot < 0) throw pybind11::error_already_set();
+  if (!hot) {
+    if (stage == kOutput && count_call(site) < 0) throw pybind11::error_already_set();
+    return;
+  }
+  if (call_slow(values, site, layout, stage) < 0) throw pybind11::error_already_set();
+}
+
+std::unique_ptr<torch::Library> registration;
+
+}  // namespace
+
+namespace asyncpp {
+
+void register_tap(pybind11::module_& m) {
+  m.def(
+      "tap_register",
+      [](bool on) {
+        // after taps.py has defined the operator; the registration lasts until tap_register(False)
+        if (!on) {
+          registration.reset();
+          return;
+        }
+        if (registration) return;
+        registration = std::make_unique<torch::Library>(
+            torch::Library::IMPL, "asyncpp", c10::DispatchKey::CPU, __FILE__, __LINE__);
+        registration->impl("tap", TORCH_FN(tap_cpu));
+      },
+      pybind11::arg("on") = true,
+      "Register the C++ CPU kernel of asyncpp::tap (True, once) or remove it (False: the operator's "
+      "Python kernel, taps._tap, serves CPU tensors again).");
+  m.def(
+      "tap_bind",
+      [](pybind11::object hot_in, pybind11::object hot_out, pybind11::object counts, pybind11::object slow) {
+        if (!PySet_Check(hot_in.ptr()) || !PySet_Check(hot_out.ptr()) || !PyList_Check(counts.ptr())) {
+          throw pybind11::type_error("tap_bind(): hot_in/hot_out must be sets, counts a list");
+        }
+        clear_state();
+        state.hot_in = hot_in.inc_ref().ptr();
+        state.hot_out = hot_out.inc_ref().ptr();
+        state.counts = counts.inc_ref().ptr();
+        state.slow = slow.inc_ref().ptr();
+        state.active = true;
+      },
+      "Serve the taps of this process from these containers (the kernel's hot sets and counts); "
+      "``slow(values, site, layout, stage)`` handles a tap a block waits on.");
+  m.def(
+      "tap_active", [](bool on) { state.active = on && state.slow != nullptr; },
+      "Whether the taps serve (False: the operator returns at once).");
+  m.def("tap_unbind", []() { clear_state(); }, "Forget the containers tap_bind() was given.");
+}
+
+}  // namespace asyncpp
