@@ -23,7 +23,15 @@ from types import ModuleType
 from ..kernel.errors import AsyncppError
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-SOURCES = ("module.cpp", "tls_swap.cpp", "autocast_tls.cpp", "controller.cpp", "rows.cpp", "trap_await.cpp", "tap_op.cpp")
+SOURCES = (
+    "module.cpp",
+    "tls_swap.cpp",
+    "autocast_tls.cpp",
+    "controller.cpp",
+    "rows.cpp",
+    "trap_await.cpp",
+    "tap_op.cpp",
+)
 ENV_SWITCH = "ASYNCPP_NATIVE"  # 0/false/off/no: no native extension
 OLD_ENV_SWITCH = "ASYNCPP_TLS_SWAP"  # its deprecated former name, honoured for one release
 _OFF = ("0", "false", "off", "no")
