@@ -131,7 +131,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -841,35 +841,40 @@ def stock_reference(res: Results, model: str, mode: str) -> str | None:
     return None
 
 
-def ratio_table(res: Results) -> str:
-    rows = []
+def _pairs(res: Results) -> Iterator[tuple[str, int, str, str, Key, Key]]:
+    """(model, B, mode, workload, asyncpp's key, stock's key) of every workload measured on both an
+    asyncpp engine and the stock engine with asyncpp's settings in the same mode."""
     for model in res.args.models:
         for b in res.args.batches:
             for mode in ("eager", "compiled"):
-                a_name, s_name = f"asyncpp-{mode}", f"stock-asyncpp-{mode}"
-                s_key = (model, s_name, "plain", b)
+                s_key = (model, f"stock-asyncpp-{mode}", "plain", b)
                 if not res.has(s_key):
                     continue
                 for w in WORKLOADS:
-                    a_key = (model, a_name, w, b)
-                    if not res.has(a_key):
-                        continue
-                    r_all = ratio_range(res, a_key, s_key, "all")
-                    r_worker = ratio_range(res, a_key, s_key, "worker")
-                    r_wall = res.med(a_key, "wall") / res.med(s_key, "wall")
-                    rows.append(
-                        [
-                            f"{model}, B={b}, {mode}",
-                            LABEL[w],
-                            f"{res.med(a_key, 'all'):.0f} / {res.med(s_key, 'all'):.0f}",
-                            fmt_ratio(r_all),
-                            f"{r_worker[0]:.3f}",
-                            f"{r_wall:.3f}",
-                            f"{res.other_cores(a_key):.2f} / {res.other_cores(s_key):.2f}",
-                            f">= {TARGET[w]}",
-                            verdict(r_all[0], r_all[2], TARGET[w]),
-                        ]
-                    )
+                    a_key = (model, f"asyncpp-{mode}", w, b)
+                    if res.has(a_key):
+                        yield model, b, mode, w, a_key, s_key
+
+
+def ratio_table(res: Results) -> str:
+    rows = []
+    for model, b, mode, w, a_key, s_key in _pairs(res):
+        r_all = ratio_range(res, a_key, s_key, "all")
+        r_worker = ratio_range(res, a_key, s_key, "worker")
+        r_wall = res.med(a_key, "wall") / res.med(s_key, "wall")
+        rows.append(
+            [
+                f"{model}, B={b}, {mode}",
+                LABEL[w],
+                f"{res.med(a_key, 'all'):.0f} / {res.med(s_key, 'all'):.0f}",
+                fmt_ratio(r_all),
+                f"{r_worker[0]:.3f}",
+                f"{r_wall:.3f}",
+                f"{res.other_cores(a_key):.2f} / {res.other_cores(s_key):.2f}",
+                f">= {TARGET[w]}",
+                verdict(r_all[0], r_all[2], TARGET[w]),
+            ]
+        )
     return bench_common.md_table(
         [
             "model, B, mode",
@@ -894,31 +899,21 @@ def _step_verdict(decode: float, steps: float, target: float) -> str:
 def step_table(res: Results) -> str:
     """asyncpp against stock inside the workers' steps (step_clock.py), lowest over rounds."""
     rows = []
-    for model in res.args.models:
-        for b in res.args.batches:
-            for mode in ("eager", "compiled"):
-                a_name, s_name = f"asyncpp-{mode}", f"stock-asyncpp-{mode}"
-                s_key = (model, s_name, "plain", b)
-                if not res.has(s_key):
-                    continue
-                for w in WORKLOADS:
-                    a_key = (model, a_name, w, b)
-                    if not res.has(a_key):
-                        continue
-                    da, ds = res.step_cpu(a_key, "decode"), res.step_cpu(s_key, "decode")
-                    ta, ts = res.step_cpu(a_key, "token"), res.step_cpu(s_key, "token")
-                    rows.append(
-                        [
-                            f"{model}, B={b}, {mode}",
-                            LABEL[w],
-                            f"{da * 1e6:.0f} / {ds * 1e6:.0f}",
-                            f"{ds / da:.3f}",
-                            f"{ta * 1e6:.1f} / {ts * 1e6:.1f}",
-                            f"{ts / ta:.3f}",
-                            f">= {TARGET[w]}",
-                            _step_verdict(ds / da, ts / ta, TARGET[w]),
-                        ]
-                    )
+    for model, b, mode, w, a_key, s_key in _pairs(res):
+        da, ds = res.step_cpu(a_key, "decode"), res.step_cpu(s_key, "decode")
+        ta, ts = res.step_cpu(a_key, "token"), res.step_cpu(s_key, "token")
+        rows.append(
+            [
+                f"{model}, B={b}, {mode}",
+                LABEL[w],
+                f"{da * 1e6:.0f} / {ds * 1e6:.0f}",
+                f"{ds / da:.3f}",
+                f"{ta * 1e6:.1f} / {ts * 1e6:.1f}",
+                f"{ts / ta:.3f}",
+                f">= {TARGET[w]}",
+                _step_verdict(ds / da, ts / ta, TARGET[w]),
+            ]
+        )
     return bench_common.md_table(
         [
             "model, B, mode",
