@@ -114,6 +114,9 @@ Usage::
     .venv/bin/python benchmarks/vllm_stock.py --write            # and update docs/performance.md
     .venv/bin/python benchmarks/vllm_stock.py --quick            # a smoke run: tiny, B=16, 1 round
     .venv/bin/python benchmarks/vllm_stock.py --models tiny --engines stock-asyncpp-eager,asyncpp-eager
+    # the recorded run of the step table: engines of a mode alive together, batches back to back
+    .venv/bin/python benchmarks/vllm_stock.py --models tiny,small --together --pause 0 --rounds 8 \
+        --engines stock-asyncpp-eager,asyncpp-eager,stock-asyncpp-compiled,asyncpp-compiled --write
 """
 
 from __future__ import annotations
