@@ -495,8 +495,6 @@ class Sample:
     cpu_worker: float  # s, the worker(s)
     cpu_machine: float  # s, every process of the machine (/proc/stat)
     cpu_step: float = 0.0  # s, the workers' CPU inside their step calls (step_clock.py)
-    wall_step: float = 0.0  # s, the workers' wall time inside their step calls
-    steps: int = 0  # the workers' step calls
     decode_steps: list[float] = field(default_factory=list)  # s, CPU of each step decoding the whole batch
     life: int = 0  # the pass (engine lifetime) it was measured in
 
@@ -621,23 +619,14 @@ class Results:
         return max(0.0, sum(s.cpu_machine - s.cpu_all for s in ss)) / sum(s.wall for s in ss)
 
 
-async def _rpc(live: Live, method: str) -> list[Any]:
-    return await asyncio.wrap_future(
-        asyncio.run_coroutine_threadsafe(live.llm.collective_rpc(method), live.loop)
-    )
-
-
-async def step_clock(live: Live) -> tuple[int, int, int]:
-    """The workers' step clocks summed (step_clock.py): CPU ns, wall ns, calls."""
-    per_worker = await _rpc(live, "bench_step_clock")
-    return tuple(sum(w[i] for w in per_worker) for i in range(3))  # type: ignore[return-value]
-
-
-async def decode_steps(live: Live, batch: int) -> list[float]:
-    """CPU seconds of each of the first worker's steps since the last call that decoded exactly
-    ``batch`` tokens (one per request of the whole batch: steps of the same work)."""
-    log = (await _rpc(live, "bench_step_log"))[0]
-    return [ns / 1e9 for tokens, ns in log if tokens == batch]
+async def step_log(live: Live, batch: int) -> tuple[float, list[float]]:
+    """Since the last call (step_clock.py): the workers' CPU seconds inside their steps, and the CPU
+    seconds of each of the first worker's steps that decoded exactly ``batch`` tokens (one per
+    request of the whole batch: steps of the same work)."""
+    rpc = asyncio.run_coroutine_threadsafe(live.llm.collective_rpc("bench_step_log"), live.loop)
+    logs = await asyncio.wrap_future(rpc)
+    total = sum(ns for log in logs for _, ns in log) / 1e9
+    return total, [ns / 1e9 for tokens, ns in logs[0] if tokens == batch]
 
 
 def _machine_busy_seconds() -> float:
@@ -658,31 +647,16 @@ async def measure(lives: list[Live], model: str, res: Results, pass_index: int, 
     async def timed(live: Live, workload: str, prompts: list[list[int]]) -> tuple[Sample, list[list[int]]]:
         if pause:
             await asyncio.sleep(pause)
-        s0 = await step_clock(live)
-        await decode_steps(live, 0)  # empties the log
+        await step_log(live, 0)  # installs the clock on first use, and empties the log
         m0, c0 = _machine_busy_seconds(), live.procs.sample()
         t0 = perf()
         tokens = await run_batch(live, workload, prompts, n)
         wall = perf() - t0
         c1, m1 = live.procs.sample(), _machine_busy_seconds()
-        s1 = await step_clock(live)
-        dec = await decode_steps(live, len(prompts))
+        in_steps, decode = await step_log(live, len(prompts))
         d = [b - a for a, b in zip(c0, c1, strict=True)]
-        ds = [b - a for a, b in zip(s0, s1, strict=True)]
-        sample = Sample(
-            wall,
-            sum(len(t) for t in tokens),
-            d[0],
-            d[1],
-            d[2],
-            d[3],
-            m1 - m0,
-            ds[0] / 1e9,
-            ds[1] / 1e9,
-            ds[2],
-        )
-        sample.life = pass_index
-        sample.decode_steps = dec
+        generated = sum(len(t) for t in tokens)
+        sample = Sample(wall, generated, d[0], d[1], d[2], d[3], m1 - m0, in_steps, decode, pass_index)
         return sample, tokens
 
     # warm-up: every workload and B, untimed (round -1: the same prompts on every engine)

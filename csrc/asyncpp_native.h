@@ -24,6 +24,9 @@ AutocastFields autocast_fields_here();
 
 // Per-module controllers that shadow each module's forward during a run (controller.cpp).
 void register_controllers(pybind11::module_& m);
+// counts[idx] += 1 on a run's list of calls per module nobody waited on (the controllers' and the
+// taps' count; an index past the list is not counted). -1 with a Python error set on failure.
+int count_in(PyObject* counts, Py_ssize_t idx);
 
 // A block's rows of a batched value, for tensors, tuples and lists (rows.cpp).
 void register_rows(pybind11::module_& m);

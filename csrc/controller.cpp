@@ -766,16 +766,7 @@ int fast_serve(Controller* c, RunLink* s, PyObject* out, PyObject** result) {
 }
 
 // Count a completed call of ``c``'s module nobody waited on (counts[idx] += 1). -1 on an error.
-int count_call(Controller* c, RunLink* s) {
-  PyObject* counts = s->counts;
-  if (c->idx >= PyList_GET_SIZE(counts)) return 0;
-  PyObject* old = PyList_GET_ITEM(counts, c->idx);
-  PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
-  if (!next) return -1;
-  PyList_SET_ITEM(counts, c->idx, next);
-  Py_DECREF(old);
-  return 0;
-}
+int count_call(Controller* c, RunLink* s) { return asyncpp::count_in(s->counts, c->idx); }
 
 PyObject* controller_vectorcall(PyObject* o, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* c = reinterpret_cast<Controller*>(o);
@@ -1021,6 +1012,20 @@ PyMethodDef more_functions[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
+
+namespace asyncpp {
+
+int count_in(PyObject* counts, Py_ssize_t idx) {
+  if (idx < 0 || idx >= PyList_GET_SIZE(counts)) return 0;
+  PyObject* old = PyList_GET_ITEM(counts, idx);
+  PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
+  if (!next) return -1;
+  PyList_SET_ITEM(counts, idx, next);
+  Py_DECREF(old);
+  return 0;
+}
+
+}  // namespace asyncpp
 
 void asyncpp::register_controllers(pybind11::module_& m) {
   for (int i = 0; i < n_fields; i++) field_keys[i] = PyUnicode_InternFromString(field_names[i]);

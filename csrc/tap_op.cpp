@@ -29,21 +29,6 @@ void clear_state() {
   state.active = false;
 }
 
-// counts[site] += 1, as the Python kernel does. -1 with a Python error set on failure.
-int count_call(int64_t site) {
-  PyObject* counts = state.counts;
-  if (site < 0 || site >= PyList_GET_SIZE(counts)) {
-    PyErr_Format(PyExc_IndexError, "asyncpp::tap: module index %lld has no call count", (long long)site);
-    return -1;
-  }
-  PyObject* old = PyList_GET_ITEM(counts, site);
-  PyObject* next = PyLong_FromSsize_t(PyLong_AsSsize_t(old) + 1);
-  if (!next) return -1;
-  PyList_SET_ITEM(counts, site, next);
-  Py_DECREF(old);
-  return 0;
-}
-
 PyObject* int_list(c10::IntArrayRef xs) {
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(xs.size()));
   if (!out) return nullptr;
@@ -89,7 +74,7 @@ void tap_cpu(at::TensorList values, int64_t site, c10::IntArrayRef layout, int64
   Py_DECREF(key);
   if (hot < 0) throw pybind11::error_already_set();
   if (!hot) {
-    if (stage == kOutput && count_call(site) < 0) throw pybind11::error_already_set();
+    if (stage == kOutput && asyncpp::count_in(state.counts, site) < 0) throw pybind11::error_already_set();
     return;
   }
   if (call_slow(values, site, layout, stage) < 0) throw pybind11::error_already_set();
