@@ -4,6 +4,17 @@
 // some 14 taps a step on a small model. Here the check (is the tap's module index in the run's hot
 // set?) and the count of a call nobody waited on are made in C++; only a tap a block waits on goes
 // on to the Python kernel (``taps._tap``), with the same arguments.
+//
+// Even so, a call through torch's dispatcher from the compiled graph's Python code costs some
+// 10 us in a running engine (parsing the arguments against the schema, the dispatch). So the
+// operator's overload also gets a front door (``tap_front``, put in place of ``OpOverload._op``
+// by taps.py): a plain call with plain CPU tensors is served here from the Python objects
+// directly; anything else (fake or functional tensors while vLLM traces the model, an active
+// dispatch or torch-function mode, keywords) goes on to torch's own entry.
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+
 #include "asyncpp_native.h"
 
 namespace {
@@ -18,6 +29,9 @@ struct TapState {
   PyObject* slow = nullptr;     // taps._tap: the whole kernel, for a tap someone waits on
   bool active = false;          // false: unbound, or standing aside (an auto engine's eager step)
 };
+
+// torch's own entry of the overload (its ``_op``), for the calls the front door passes on.
+PyObject* torch_entry = nullptr;
 
 TapState state;
 
@@ -80,6 +94,55 @@ void tap_cpu(at::TensorList values, int64_t site, c10::IntArrayRef layout, int64
   if (call_slow(values, site, layout, stage) < 0) throw pybind11::error_already_set();
 }
 
+// Whether the front door may serve a call with these values itself: plain tensors (not
+// subclasses such as fake or functional tensors), on the CPU, with no dispatch or torch-function
+// mode active (vLLM's tracing of the model runs the operator that way, and must see it).
+bool plain_call(PyObject* values) {
+  if (!PyList_CheckExact(values) || PyList_GET_SIZE(values) == 0) return false;
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set() || at::impl::torch_function_mode_enabled()) return false;
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                    c10::DispatchKey::Functionalize});
+  if (c10::impl::tls_local_dispatch_key_set().included_.has_any(traced)) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values); ++i) {
+    PyObject* v = PyList_GET_ITEM(values, i);
+    if (!THPVariable_CheckExact(v)) return false;
+    const c10::DispatchKeySet ks = THPVariable_Unpack(v).key_set();
+    if (!ks.has(c10::DispatchKey::CPU) || ks.has_any(traced)) return false;
+  }
+  return true;
+}
+
+// tap.default(values, site, layout, stage), as the compiled graph's code calls it.
+PyObject* tap_front(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (kwnames == nullptr && nargs == 4 && PyLong_CheckExact(args[1]) && PyLong_CheckExact(args[3]) &&
+      plain_call(args[0])) {
+    if (!state.active) Py_RETURN_NONE;
+    const long long stage = PyLong_AsLongLong(args[3]);
+    int hot = PySet_Contains(stage == kOutput ? state.hot_out : state.hot_in, args[1]);
+    if (hot < 0) return nullptr;
+    if (!hot) {
+      if (stage == kOutput) {
+        const Py_ssize_t site = PyLong_AsSsize_t(args[1]);
+        if (site == -1 && PyErr_Occurred()) return nullptr;
+        if (asyncpp::count_in(state.counts, site) < 0) return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+    return PyObject_Vectorcall(state.slow, args, static_cast<size_t>(nargs), nullptr);
+  }
+  if (torch_entry == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "asyncpp::tap: the front door is not in place (tap_front_door)");
+    return nullptr;
+  }
+  return PyObject_Vectorcall(torch_entry, args, static_cast<size_t>(nargs), kwnames);
+}
+
+PyMethodDef tap_front_def = {
+    "tap_front", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tap_front)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "asyncpp::tap's overload entry while the front door is in place: serves plain calls with plain CPU "
+    "tensors as the C++ kernel would, passes anything else on to torch's own entry."};
+
 std::unique_ptr<torch::Library> registration;
 
 }  // namespace
@@ -122,6 +185,14 @@ void register_tap(pybind11::module_& m) {
       "tap_active", [](bool on) { state.active = on && state.slow != nullptr; },
       "Whether the taps serve (False: the operator returns at once).");
   m.def("tap_unbind", []() { clear_state(); }, "Forget the containers tap_bind() was given.");
+  m.attr("tap_front") = pybind11::reinterpret_steal<pybind11::object>(PyCFunction_New(&tap_front_def, nullptr));
+  m.def(
+      "tap_front_door",
+      [](pybind11::object entry) {
+        Py_CLEAR(torch_entry);
+        if (!entry.is_none()) torch_entry = entry.inc_ref().ptr();
+      },
+      "The overload's own entry (its ``_op``) that ``tap_front`` passes other calls on to, or None.");
 }
 
 }  // namespace asyncpp

@@ -3,9 +3,12 @@ tap operator itself in a model compiled by torch.compile (inductor), as vLLM com
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from asyncpp.engines.vllm import taps
 from asyncpp.kernel.errors import TapError
@@ -159,9 +162,14 @@ class Outer(nn.Module):
         return self.inner(x)
 
 
-def compiled_run(choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool = False):
-    """Run ``blocks`` (pairs of block function and rows) on an ``Outer`` whose stack is compiled by
-    inductor with its layers tapped, on a real interleaver and controllers (``choice``)."""
+@contextlib.contextmanager
+def compiled_outer(
+    choice: str, monkeypatch, batch: int, inputs: bool = False, warm: torch.Tensor | None = None
+):
+    """An ``Outer`` whose stack is compiled by inductor with its layers tapped, served by a real
+    interleaver through real controllers (``choice``): yields the model, its tree and the kernel.
+    ``warm``: an input the model runs on first, before the taps are bound (the graph is compiled
+    then; else at the first forward the caller runs, with the taps bound)."""
     monkeypatch.setenv("ASYNCPP_CONTROLLERS", choice)
     torch.manual_seed(0)
     model = Outer().eval()
@@ -174,19 +182,29 @@ def compiled_run(choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool
             modules[i].forward, i, paths[i], output=i in plan.sites, input=i in plan.in_sites
         )
     model.inner.forward = torch.compile(model.inner.forward, backend="inductor", dynamic=True)
+    if warm is not None:
+        with torch.inference_mode():
+            model(warm)
     controllers = Controllers([m if i not in plan.inside else None for i, m in enumerate(modules)])
     hooks = RunHooks(refuse=plan.refuse, refuse_at=plan.refuse_at)
-    kernel = Interleaver(paths, x.shape[0], step_index=0, hooks=hooks, link=controllers.link)
+    kernel = Interleaver(paths, batch, step_index=0, hooks=hooks, link=controllers.link)
     controllers.install(kernel)
     taps.bind(kernel, controllers, plan.sites)
     try:
+        yield model, tree, kernel
+    finally:
+        taps.unbind()
+        controllers.remove()
+
+
+def compiled_run(choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool = False):
+    """Run ``blocks`` (pairs of block function and rows) on a compiled ``Outer``
+    (:func:`compiled_outer`) in one forward."""
+    with compiled_outer(choice, monkeypatch, x.shape[0], inputs) as (model, tree, kernel):
         with kernel.active(), torch.inference_mode():
             started = [kernel.start(fn(tree), n, rows) for n, (fn, rows) in enumerate(blocks)]
             out = model(x)
             kernel.finish()
-    finally:
-        taps.unbind()
-        controllers.remove()
     return model, out, started
 
 
@@ -319,3 +337,48 @@ def test_the_native_tap_kernel_counts_cold_calls_and_hands_hot_ones_to_python(mo
         native.tap_register(False)
     # the operator's Python kernel serves CPU tensors again
     assert "tap_op.cpp" not in torch._C._dispatch_dump_table("asyncpp::tap")
+
+
+def traced_tap(t: torch.Tensor) -> torch.Tensor:
+    torch.ops.asyncpp.tap.default([t], 3, [taps.BARE], OUTPUT)
+    return t + 1
+
+
+@pytest.mark.skipif(not enabled(), reason="the native extension is not built here")
+def test_compiled_taps_are_served_at_the_native_front_door_not_through_torchs_dispatcher(monkeypatch):
+    """With native controllers, the compiled graph's calls of ``torch.ops.asyncpp.tap.default``
+    reach the native front door, which serves cold and hot taps alike without a trip through
+    torch's dispatcher, and unbind puts torch's entry back. (The tests above compile their graph
+    with the front door in place: tracing still sees the operator.)"""
+    from asyncpp.native import load
+
+    x = torch.randn(4, 8)
+    overload = torch.ops.asyncpp.tap.default
+    entry = overload._op
+
+    async def reader(m):
+        return (await m.inner.layers[1].output)[0].clone()
+
+    with compiled_outer("native", monkeypatch, x.shape[0], warm=x) as (model, tree, kernel):
+        assert overload._op is load().tap_front
+        for mode in ("real", "fake", "symbolic"):  # tracing passes the call on: the graph has it
+            graph = make_fx(traced_tap, tracing_mode=mode)(torch.randn(2, 8))
+            assert [n.target for n in graph.graph.nodes if n.op == "call_function"][0] is overload
+        before = kernel.counts[3]
+        with torch.inference_mode():
+            overload([torch.randn(2, 8)], 3, [taps.BARE], stage=OUTPUT)  # keywords: via the dispatcher
+        assert kernel.counts[3] == before + 1
+        with torch.profiler.profile() as prof, kernel.active(), torch.inference_mode():
+            blk = kernel.start(reader(tree), 0, None)
+            out = model(x)
+            kernel.finish()
+        assert blk.error is None, blk.error
+    assert overload._op is entry
+    assert [e.name for e in prof.events() if "asyncpp" in e.name] == []
+    ref_seen = []
+    torch.manual_seed(0)
+    ref_model = Outer().eval()
+    ref_model.inner.layers[1].register_forward_hook(lambda mod, a, o: ref_seen.append(o[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(out, ref_model(x))
+    torch.testing.assert_close(blk.result, ref_seen[0])
