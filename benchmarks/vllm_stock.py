@@ -287,7 +287,7 @@ class StockEngine:
         self.loop.close()
 
 
-def stock_options(model: Path, spec: EngineSpec) -> dict[str, Any]:
+def stock_options(model: Path, spec: EngineSpec, extension: str = STEP_CLOCK) -> dict[str, Any]:
     options: dict[str, Any] = {
         "model": str(model),
         "dtype": "float32",
@@ -295,7 +295,7 @@ def stock_options(model: Path, spec: EngineSpec) -> dict[str, Any]:
         "enable_prefix_caching": False,
         "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "use_tqdm_on_load": False,  # as asyncpp's quiet engines
-        "worker_extension_cls": STEP_CLOCK,
+        "worker_extension_cls": extension,
     }
     if spec.settings == "asyncpp":
         options.update(ASYNCPP_SETTINGS)
@@ -418,12 +418,14 @@ def _scheduler(llm: Any) -> dict[str, Any]:
     return out
 
 
-def start_engine(spec: EngineSpec, model: Path) -> Live:
+def start_engine(spec: EngineSpec, model: Path, extension: str = STEP_CLOCK) -> Live:
+    """Start the engine ``spec`` on ``model``, its workers extended with ``extension`` (a
+    subclass of the step clock, from this folder)."""
     since = time.time()
     t0 = perf()
     notes: list[str] = []
     if spec.kind == "stock":
-        engine = StockEngine(stock_options(model, spec))
+        engine = StockEngine(stock_options(model, spec, extension))
         start = perf() - t0
         llm, loop = engine.async_llm, engine.loop
         procs = Processes(since)
@@ -431,7 +433,7 @@ def start_engine(spec: EngineSpec, model: Path) -> Live:
     else:
         import asyncpp
 
-        engine = asyncpp.VllmEngine(model, dtype="float32", mode=spec.mode, worker_extension_cls=STEP_CLOCK)
+        engine = asyncpp.VllmEngine(model, dtype="float32", mode=spec.mode, worker_extension_cls=extension)
         start = perf() - t0
         llm, loop = engine.async_llm, engine.loop
         try:
