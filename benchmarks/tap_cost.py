@@ -39,7 +39,7 @@ import bench_common
 from step_clock import StepClock
 
 SECTION = "## A compiled engine's taps: the native front door (benchmarks/tap_cost.py, issue 14)"
-WORKLOADS = ("plain", "empty", "reads", "steer")
+WORKLOADS = ("plain", "empty", "reads", "steer")  # vllm_stock.py's workloads and blocks
 
 
 class TapSwitch(StepClock):
@@ -59,28 +59,6 @@ class TapSwitch(StepClock):
         else:
             taps._close_front_door(native)
         return torch.ops.asyncpp.tap.default._op is native.tap_front
-
-
-# the blocks (defined here, in __main__ when run: pickled by value into every request)
-
-
-async def no_awaits(m: Any) -> None:
-    return None
-
-
-async def read_every_layer(m: Any) -> None:
-    async for _step in m.steps():
-        for layer in m.model.layers:
-            await layer.output
-
-
-async def steer_one_layer(m: Any) -> None:
-    async for _step in m.steps():
-        h, _r = await m.model.layers[1].output
-        h[-1] += 0.01
-
-
-BLOCKS = {"empty": no_awaits, "reads": read_every_layer, "steer": steer_one_layer}
 
 
 def micro() -> dict[tuple[str, str], float]:
@@ -130,15 +108,10 @@ async def in_engine(live: Any, rounds: int, batches: list[int], n: int) -> dict[
         if (await asyncio.wrap_future(rpc)) != [on]:
             raise RuntimeError("the worker did not switch its taps' front door")
 
-    async def batch(workload: str, prompts: list[list[int]]) -> list[list[int]]:
-        if workload == "plain":
-            return await vs.plain_batch(live, prompts, n)
-        return await vs.trace_batch(live, prompts, BLOCKS[workload], n)
-
     steps: dict[tuple[str, int, bool], list[float]] = {}
     same = True
     for b in batches:  # a warm-up batch per size
-        await batch("plain", vs.make_prompts(b, 0, -1))
+        await vs.run_batch(live, "plain", vs.make_prompts(b, 0, -1), n)
     for r in range(rounds):
         for workload in WORKLOADS:
             for b in batches:
@@ -147,7 +120,7 @@ async def in_engine(live: Any, rounds: int, batches: list[int], n: int) -> dict[
                 for on in (True, False) if r % 2 == 0 else (False, True):
                     await door(on)
                     await vs.step_log(live, b)
-                    tokens.append(await batch(workload, prompts))
+                    tokens.append(await vs.run_batch(live, workload, prompts, n))
                     _, decode = await vs.step_log(live, b)
                     steps.setdefault((workload, b, on), []).append(median(decode))
                 same = same and tokens[0] == tokens[1]

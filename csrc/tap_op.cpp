@@ -118,6 +118,7 @@ PyObject* tap_front(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject
       plain_call(args[0])) {
     if (!state.active) Py_RETURN_NONE;
     const long long stage = PyLong_AsLongLong(args[3]);
+    if (stage == -1 && PyErr_Occurred()) return nullptr;
     int hot = PySet_Contains(stage == kOutput ? state.hot_out : state.hot_in, args[1]);
     if (hot < 0) return nullptr;
     if (!hot) {
