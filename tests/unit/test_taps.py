@@ -293,6 +293,15 @@ def test_an_output_that_cannot_be_a_tap_is_named():
     assert taps.flatten((torch.ones(1), None), "p")[1] == [1, 0]
 
 
+@pytest.mark.parametrize("out", [(1, 2), (1, None, 2), (None, 3), (4,)], ids=repr)
+def test_a_tapped_tuple_is_put_back_together_as_it_was(out):
+    tensors = tuple(None if x is None else torch.full((1,), float(x)) for x in out)
+    values, layout = taps.flatten(tensors, "p")
+    again = taps._assemble(values, layout)
+    assert len(again) == len(tensors)
+    assert all(a is b for a, b in zip(again, tensors, strict=True))
+
+
 @pytest.mark.skipif(not enabled(), reason="the native extension is off")
 def test_the_native_tap_kernel_counts_cold_calls_and_hands_hot_ones_to_python(monkeypatch):
     """The C++ kernel of ``asyncpp::tap`` (bound while native controllers serve the taps) makes

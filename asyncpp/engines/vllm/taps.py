@@ -160,8 +160,10 @@ torch.library.register_fake("asyncpp::tap", _tap_fake, lib=_LIB)
 
 
 def _assemble(values: list[Tensor], layout: list[int]) -> tuple:
+    if len(values) == len(layout):  # no None in the tuple (a decoder layer's (hidden, residual))
+        return tuple(values)
     it = iter(values)
-    return tuple(next(it) if code else None for code in layout)
+    return tuple([next(it) if code else None for code in layout])
 
 
 def _copy_into(values: list[Tensor], new: Any, layout: list[int]) -> None:
