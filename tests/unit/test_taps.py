@@ -384,6 +384,8 @@ def test_compiled_taps_are_served_at_the_native_front_door_not_through_torchs_di
         assert blk.error is None, blk.error
     assert overload._op is entry
     assert [e.name for e in prof.events() if "asyncpp" in e.name] == []
+    with compiled_outer("python", monkeypatch, x.shape[0]):
+        assert overload._op is entry  # the Python twin serves through the dispatcher
     ref_seen = []
     torch.manual_seed(0)
     ref_model = Outer().eval()
