@@ -10,12 +10,15 @@ end of its test, whatever happened.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,35 @@ def start_two_nodes(tmp: Path, *options: str, **engine: object) -> tuple[asyncpp
     finally:
         del os.environ["ASYNCPP_STACK_DUMP"]
     return head, node
+
+
+@contextlib.contextmanager
+def stacks_if_hung(head: asyncpp.VllmEngine, tmp: Path, seconds: float = 200.0) -> Iterator[None]:
+    """Should the body still run after ``seconds`` (a hung pipeline: the test's timeout is near),
+    every worker of both nodes dumps its threads' stacks (SIGUSR1, into ``tmp``; the workers were
+    started with ASYNCPP_STACK_DUMP there) and they are printed, so the failure report shows
+    what each worker waits on."""
+    pids = [s["pid"] for s in head.worker_stats()]
+    done = threading.Event()
+
+    def dump() -> None:
+        if done.wait(seconds):
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+        for pid in pids:
+            f = tmp / f"asyncpp-stacks-{pid}.txt"
+            print(f"--- worker {pid}, still running after {seconds:.0f} s ---")
+            print(f.read_text() if f.exists() else "(no stack file)", flush=True)
+
+    watcher = threading.Thread(target=dump, name="stacks-if-hung", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def close_two_nodes(head: asyncpp.VllmEngine, node: Node) -> float | None:
@@ -248,12 +280,13 @@ def test_tp2_pp2_as_two_nodes_of_two_workers(one_stage, tmp_path):
         pipeline_parallel_size=2, tensor_parallel_size=2,
     )  # fmt: skip
     try:
-        check_parity(one_stage, head)
-        stats = head.worker_stats()
-        assert len(stats) == 4 and len({s["pid"] for s in stats}) == 4
-        ref = one_stage.worker_trees()[0]
-        assert all(tree == ref for tree in head.worker_trees())
-        check_no_state_left(head)
+        with stacks_if_hung(head, tmp_path):
+            check_parity(one_stage, head)
+            stats = head.worker_stats()
+            assert len(stats) == 4 and len({s["pid"] for s in stats}) == 4
+            ref = one_stage.worker_trees()[0]
+            assert all(tree == ref for tree in head.worker_trees())
+            check_no_state_left(head)
     finally:
         ended = close_two_nodes(head, node)
     assert ended is not None, f"node 1 did not end after the head closed:\n{node.text()}"
