@@ -57,6 +57,15 @@ PyObject* int_list(c10::IntArrayRef xs) {
   return out;
 }
 
+// The check of one tap call (``key`` is ``site`` as a Python int): 1 if a block waits on it, 0 if
+// not (an output tap's call is then counted), -1 with a Python error set.
+int check(PyObject* key, Py_ssize_t site, int64_t stage) {
+  const int hot = PySet_Contains(stage == kOutput ? state.hot_out : state.hot_in, key);
+  if (hot != 0) return hot;
+  if (stage == kOutput && asyncpp::count_in(state.counts, site) < 0) return -1;
+  return 0;
+}
+
 // The Python kernel, for a tap a block waits on. 0, or -1 with a Python error set.
 int call_slow(at::TensorList values, int64_t site, c10::IntArrayRef layout, int64_t stage) {
   PyObject* tensors = PyList_New(static_cast<Py_ssize_t>(values.size()));
@@ -84,13 +93,10 @@ void tap_cpu(at::TensorList values, int64_t site, c10::IntArrayRef layout, int64
   if (!state.active) return;
   PyObject* key = PyLong_FromLongLong(site);
   if (!key) throw pybind11::error_already_set();
-  int hot = PySet_Contains(stage == kOutput ? state.hot_out : state.hot_in, key);
+  const int hot = check(key, site, stage);
   Py_DECREF(key);
   if (hot < 0) throw pybind11::error_already_set();
-  if (!hot) {
-    if (stage == kOutput && asyncpp::count_in(state.counts, site) < 0) throw pybind11::error_already_set();
-    return;
-  }
+  if (!hot) return;
   if (call_slow(values, site, layout, stage) < 0) throw pybind11::error_already_set();
 }
 
@@ -118,17 +124,11 @@ PyObject* tap_front(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject
       plain_call(args[0])) {
     if (!state.active) Py_RETURN_NONE;
     const long long stage = PyLong_AsLongLong(args[3]);
-    if (stage == -1 && PyErr_Occurred()) return nullptr;
-    int hot = PySet_Contains(stage == kOutput ? state.hot_out : state.hot_in, args[1]);
+    const Py_ssize_t site = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred()) return nullptr;
+    const int hot = check(args[1], site, stage);
     if (hot < 0) return nullptr;
-    if (!hot) {
-      if (stage == kOutput) {
-        const Py_ssize_t site = PyLong_AsSsize_t(args[1]);
-        if (site == -1 && PyErr_Occurred()) return nullptr;
-        if (asyncpp::count_in(state.counts, site) < 0) return nullptr;
-      }
-      Py_RETURN_NONE;
-    }
+    if (!hot) Py_RETURN_NONE;
     return PyObject_Vectorcall(state.slow, args, static_cast<size_t>(nargs), nullptr);
   }
   if (torch_entry == nullptr) {
