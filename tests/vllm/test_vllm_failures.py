@@ -135,3 +135,18 @@ def test_exit_status_of_a_process_that_has_just_ended():
         exits.wait()
         killed.wait()
     assert exit_status(exits.pid) is None  # reaped: nothing to read any more
+
+
+@pytest.mark.timeout(240)
+def test_a_script_that_makes_its_engine_without_a_main_guard_is_told_to_add_one(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text('import asyncpp\n\nengine = asyncpp.VllmEngine(mode="eager")\nengine.close()\n')
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-3000:]
+    # the child vLLM spawned, which ran the script again, says what to do, naming the script
+    assert 'under `if __name__ == "__main__":`' in out, out[-3000:]
+    assert f"while {script} was imported to start one of vLLM's processes" in out, out[-3000:]
