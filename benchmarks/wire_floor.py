@@ -4,9 +4,9 @@ A worker extension for benchmarks (issue 16): ``worker_extension_cls="wire_floor
 this folder on ``PYTHONPATH`` of the engine's processes. ``bench_wire_floor(nbytes, rounds)``, called
 on every worker at once (``collective_rpc``), makes the workers of stages 0 and 1 (the first of
 each: tensor-parallel rank 0) do ``rounds`` gloo send / receive round trips of ``nbytes`` on vLLM's
-pipeline group; stage 0's worker returns their median in seconds, the others None. It is the wire
-between the very processes a pull crosses, with the engine's other processes around them as they
-are while the pulls run: the floor a pull's latency is judged against.
+pipeline group; stage 0's worker returns their median in seconds, the others None: the wire
+between the very processes a pull crosses (pp_pull.py reports it beside its floor, which two fresh
+processes measure).
 """
 
 from __future__ import annotations
