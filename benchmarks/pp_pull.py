@@ -30,11 +30,11 @@ information: the round trip of 512 bytes between the engine's own stage-0 and st
 vLLM's pipeline group (the worker extension in wire_floor.py), once the engine has been idle for
 1.5 s (right after a trace, vLLM's processes still poll for a second, and the same round trip
 then took 0.1 to 0.9 ms); and the pull service alone on each wire (two fresh processes with a
-``PullService`` each and no engine, pulling one 512-byte row). ``--wires tcp,gloo`` runs the engine once on each pull wire (one engine
-after the other; the first is judged, the others are for comparison). Targets
-(issue 16): at most 0.5 ms per pull (the slope) for values up to 32 KiB; an in-place pull's
-request to value within 2x the gloo round trip of its size; bytes pulled at most 1.1x the bytes
-used (the values' own bytes). A missed target prints ``FAIL: ...`` and the exit status is 1.
+``PullService`` each and no engine, pulling one 512-byte row). ``--wires tcp,gloo`` runs the
+engine once on each pull wire (one engine after the other; the first is judged, the others are for
+comparison). Targets (issue 16): at most 0.5 ms per pull (the slope) for values up to 32 KiB;
+an in-place pull's request to value within 2x the gloo round trip of its size; bytes pulled at
+most 1.1x the bytes used (the values' own bytes). A missed target prints ``FAIL: ...`` and the exit status is 1.
 
 Usage::
 
