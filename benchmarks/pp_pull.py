@@ -56,6 +56,7 @@ import time
 from typing import Any
 
 import bench_common
+from wire_floor import round_trips
 
 SECTION = "## Pipeline-parallel pulls (benchmarks/pp_pull.py, issue 16)"
 PULL_TARGET_MS = 0.5
@@ -131,21 +132,7 @@ def _ping(rank: int, path: str, sizes: tuple[int, ...], rounds: int, out: Any) -
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-    res = {}
-    for n in sizes:
-        buf = torch.zeros(n, dtype=torch.uint8)
-        times = []
-        for r in range(rounds + 3):
-            t0 = perf()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if r >= 3:
-                times.append(perf() - t0)
-        res[n] = statistics.median(times)
+    res = {n: round_trips(torch.zeros(n, dtype=torch.uint8), 1 - rank, rank == 0, rounds) for n in sizes}
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()

@@ -13,8 +13,28 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 _TAG = 16016  # a tag of its own, apart from vLLM's sends on the same group
+
+
+def round_trips(buf: Any, peer: int, first: bool, rounds: int, group: Any = None, tag: int = 0) -> float:
+    """Median seconds of ``rounds`` gloo send / receive round trips of ``buf`` with ``peer`` (the
+    ``first`` side sends first), after three that warm the pair up."""
+    import torch.distributed as dist
+
+    times = []
+    for r in range(rounds + 3):
+        t0 = time.perf_counter()
+        if first:
+            dist.send(buf, peer, group=group, tag=tag)
+            dist.recv(buf, peer, group=group, tag=tag)
+        else:
+            dist.recv(buf, peer, group=group, tag=tag)
+            dist.send(buf, peer, group=group, tag=tag)
+        if r >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 class WireFloor:
@@ -22,7 +42,6 @@ class WireFloor:
 
     def bench_wire_floor(self, nbytes: int, rounds: int) -> float | None:
         import torch
-        import torch.distributed as dist
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         pp = get_pp_group()
@@ -31,15 +50,5 @@ class WireFloor:
         first = pp.rank_in_group == 0
         peer = pp.ranks[1 if first else 0]
         buf = torch.zeros(nbytes, dtype=torch.uint8)
-        times = []
-        for r in range(rounds + 3):  # the first three warm the pair up
-            t0 = time.perf_counter()
-            if first:
-                dist.send(buf, peer, group=pp.cpu_group, tag=_TAG)
-                dist.recv(buf, peer, group=pp.cpu_group, tag=_TAG)
-            else:
-                dist.recv(buf, peer, group=pp.cpu_group, tag=_TAG)
-                dist.send(buf, peer, group=pp.cpu_group, tag=_TAG)
-            if r >= 3:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times) if first else None
+        median = round_trips(buf, peer, first, rounds, group=pp.cpu_group, tag=_TAG)
+        return median if first else None

@@ -12,6 +12,7 @@ turns all of this off and shows vLLM's own logs.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import sys
 import threading
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ...kernel.errors import AsyncppError
 from . import lifeline
 
 LOGS_ENV = "ASYNCPP_VLLM_LOGS"  # "1": show vLLM's own logs (VllmEngine(vllm_logs=None) reads it)
@@ -40,6 +42,24 @@ def want_logs(option: bool | None) -> bool:
     if option is not None:
         return bool(option)
     return os.environ.get(LOGS_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def refuse_in_spawned_child(what: str) -> None:
+    """Refuse to start vLLM's processes from a process that ``multiprocessing`` is still starting.
+
+    vLLM starts its processes with "spawn", which runs the script's main module again in each of
+    them: a script that starts an engine (or a node) outside ``if __name__ == "__main__":`` would
+    start one more in every child, where multiprocessing refuses it with a message that does not
+    say why. ``what`` names the call in the error."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+        script = getattr(main, "__file__", None) or "the script"
+        raise AsyncppError(
+            f"{what} was called while {script} was imported to start one of vLLM's processes: vLLM "
+            f"starts them with 'spawn', which runs the main script again in each. Make the engine "
+            f'(and run the traces) under `if __name__ == "__main__":` in {script}; blocks and '
+            f"helpers can stay at module level"
+        )
 
 
 def child_env(logs: bool, workers: int = 1) -> dict[str, str]:

@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import gc
 import itertools
-import multiprocessing
 import sys
 import threading
 import time
@@ -101,7 +100,7 @@ class VllmEngine(Engine):
         node_timeout: float = 300,
         **vllm_options: Any,
     ):
-        _check_not_spawning()
+        console.refuse_in_spawned_child("asyncpp.VllmEngine(...)")
         self.vllm_logs = console.want_logs(vllm_logs)
         _check_budget(block_budget, vllm_options)
         self.block_budget = block_budget
@@ -705,24 +704,6 @@ class VllmEngine(Engine):
             return None, (causes or errors)[0]
         merged = merge([r for r, _ in stages])
         return (None if merged is NOT_HERE else merged), None
-
-
-def _check_not_spawning() -> None:
-    """Refuse to start an engine in a process that ``multiprocessing`` is still starting: vLLM
-    starts its processes with "spawn", which runs the script's main module again in each of them,
-    so a script that makes its engine outside ``if __name__ == "__main__":`` would make one more
-    in every child (where multiprocessing refuses it with a message that does not say why)."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        main = (
-            getattr(sys.modules.get("__mp_main__") or sys.modules.get("__main__"), "__file__", None)
-            or "the script"
-        )
-        raise AsyncppError(
-            f"asyncpp.VllmEngine(...) was called while {main} was imported to start one of vLLM's "
-            f"processes: vLLM starts them with 'spawn', which runs the main script again in each. "
-            f'Make the engine (and run the traces) under `if __name__ == "__main__":` in {main}; '
-            f"blocks and helpers can stay at module level"
-        )
 
 
 def _check_budget(seconds: float | None, options: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ def run_node(
     head's engine closed or is gone, or the node was stopped (SIGTERM or Ctrl-C). A node whose
     workers have not joined the head's within ``node_timeout`` seconds stops, and raises
     ``TimeoutError``."""
+    console.refuse_in_spawned_child("asyncpp.engines.vllm.run_node(...)")
     if nnodes < 2 or node_rank == 0:
         raise ValueError(
             f"run_node is for nodes 1 to nnodes - 1 of a multi-node engine (got node_rank={node_rank}, "
