@@ -92,6 +92,14 @@ class Engine(ABC):
     def close(self) -> None:
         """Release the engine's threads and processes."""
 
+    def wait_refusal(self) -> Callable[[int, int], Exception | None] | None:
+        """The engine's refusal of waits it can never serve, or None when it serves every
+        location: ``refuse(module_index, kind)`` gives the error for such a wait (or None). A
+        trace applies it at invoke to the waits a block's code is sure to make
+        (:func:`asyncpp.locations.validate.check_block_paths`); the engine refuses the rest itself
+        when they are made."""
+        return None
+
     def submit(
         self, spec: RunSpec, post: Callable[..., Any], settle: Callable[[bool, Any], None]
     ) -> Callable[[], Any] | None:

@@ -21,6 +21,12 @@ The check follows Python's scoping and reports only what the block is sure to ev
 
 A chain the check cannot prove is on every path, and paths built at run time (``getattr``), are
 checked when the block runs, with the same message (see :meth:`Node.__getattr__`).
+
+An engine that can never serve some locations (a compiled vLLM engine: only its taps) gives a
+``refuse`` function; a wait the block is sure to make, ``await`` directly on a constant chain
+(``await m.model.layers[1].mlp.output``, ``.input``, ``.inputs``, ``.skip(...)``, ``.at(n)``,
+``.set(...)``), that it refuses fails at invoke in the same way. The engine refuses other waits
+when they are made.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import textwrap
 from collections.abc import Callable
 from types import FunctionType, MethodType
 
-from ..kernel.errors import PathError
+from ..kernel.errors import PathError, TapError
+from ..kernel.traps import INPUT, INPUTS, OUTPUT, SKIP
 from .tree import RESERVED, Node, Root, _unknown
 
 _STOP = RESERVED | {"at", "set", "find", "children"}
@@ -41,20 +48,24 @@ _FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 _COMPS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
-# the exception classes a PathError is an instance of: a handler naming one of them catches it
-_CATCHERS = frozenset(c.__name__ for c in PathError.__mro__)
+# the exception classes a PathError (or a TapError) is an instance of: a handler naming one of
+# them catches it
+_CATCHERS = frozenset(c.__name__ for c in (*PathError.__mro__, *TapError.__mro__))
+_KINDS = {"output": OUTPUT, "input": INPUT, "inputs": INPUTS, "skip": SKIP}
+Refuse = Callable[[int, int], Exception | None]
 # iterables of these builtins are as empty as their argument
 _SAME_LENGTH = frozenset({"enumerate", "reversed", "list", "tuple", "sorted", "iter", "set"})
 
 
-def check_block_paths(block: Callable, tree: Root) -> None:
-    """Raise :class:`PathError` if ``block`` is sure to name a module path ``tree`` does not have."""
+def check_block_paths(block: Callable, tree: Root, refuse: Refuse | None = None) -> None:
+    """Raise :class:`PathError` if ``block`` is sure to name a module path ``tree`` does not have,
+    or the error ``refuse(index, kind)`` gives for a wait it is sure to make (an engine's)."""
     fn, offset = block_function(block)
     code = getattr(fn, "__code__", None)
     if code is None:
         return
     key = code if offset == 0 else (code, offset)
-    seen = tree.__dict__.get("_checked_codes")
+    seen = tree.__dict__.get("_checked_codes")  # (the tree is its engine's: so is ``refuse``)
     if seen is None:
         seen = tree.__dict__["_checked_codes"] = set()
     if key in seen:
@@ -66,11 +77,14 @@ def check_block_paths(block: Callable, tree: Root) -> None:
     node, first = parsed
     params = [*node.args.posonlyargs, *node.args.args] if isinstance(node, _FUNCS) else []
     if offset < len(params):
-        found = _Checker(tree, params[offset].arg).run(node)
+        found = _Checker(tree, params[offset].arg, refuse).run(node)
         if found is not None:
             at, error = found
             line = first + at.lineno - 1
-            raise PathError(f"{error}\n  in block {fn.__qualname__}, {code.co_filename}:{line}")
+            where = f"\n  in block {fn.__qualname__}, {code.co_filename}:{line}"
+            if isinstance(error, Exception):
+                raise type(error)(f"{error}{where}")
+            raise PathError(f"{error}{where}")
     seen.add(key)
 
 
@@ -103,10 +117,10 @@ def block_function(block: Callable) -> tuple[Callable, int]:
 class _Checker:
     """Walks what a block is sure to evaluate and resolves its chains on the tree's name."""
 
-    def __init__(self, tree: Root, root: str):
-        self.tree, self.root = tree, root
+    def __init__(self, tree: Root, root: str, refuse: Refuse | None = None):
+        self.tree, self.root, self.refuse = tree, root, refuse
 
-    def run(self, fn: ast.AST) -> tuple[ast.AST, str] | None:
+    def run(self, fn: ast.AST) -> tuple[ast.AST, str | Exception] | None:
         try:
             self.body(fn.body, top=True)
         except _Found as found:
@@ -198,6 +212,10 @@ class _Checker:
                     raise _Found(e, error)
             else:
                 expr(base, root)
+        elif isinstance(e, ast.Await):
+            expr(e.value, root)
+            if root and self.refuse is not None:
+                self.awaited(e)
         elif isinstance(e, ast.IfExp):
             expr(e.test, root)
         elif isinstance(e, ast.BoolOp):
@@ -213,6 +231,30 @@ class _Checker:
                     expr(child, root)
                 elif isinstance(child, ast.keyword):
                     expr(child.value, root)
+
+    def awaited(self, e: ast.Await) -> None:
+        """Refuse ``await <chain>`` if the engine can never serve that location (a constant
+        chain to one module; anything else is the engine's to refuse when the wait is made)."""
+        v = e.value
+        while (
+            isinstance(v, ast.Call)
+            and isinstance(v.func, ast.Attribute)
+            and v.func.attr in ("at", "set", "skip")
+        ):
+            v = v.func if v.func.attr == "skip" else v.func.value
+        if not isinstance(v, (ast.Attribute, ast.Subscript)):
+            return
+        parts, base, _ = _parts(v)
+        if not (isinstance(base, ast.Name) and base.id == self.root):
+            return
+        at = next((i for i, p in enumerate(parts) if isinstance(p, str) and p in _STOP), None)
+        if at is None or parts[at] not in _KINDS or ... in parts[:at]:
+            return
+        error, frontier = _resolve(self.tree, parts[:at])
+        if error is None and len(frontier) == 1:
+            refusal = self.refuse(frontier[0]._index, _KINDS[parts[at]])
+            if refusal is not None:
+                raise _Found(e, refusal)
 
     def comprehension(self, e: ast.expr, root: bool) -> None:
         gens = e.generators
@@ -278,7 +320,7 @@ class _Checker:
 
 
 class _Found(Exception):
-    def __init__(self, node: ast.AST, error: str):
+    def __init__(self, node: ast.AST, error: str | Exception):
         self.node, self.error = node, error
 
 

@@ -139,7 +139,7 @@ class Trace:
                 f"invoke() needs an `async def` block taking the model as its first argument; got {what}"
             )
         if self.engine.tree is not None:  # (a remote engine's blocks resolve on its server)
-            check_block_paths(block, self.engine.tree)
+            check_block_paths(block, self.engine.tree, self.engine.wait_refusal())
         name = getattr(block, "__qualname__", None)
         if name is None:  # a functools.partial (of a function or a bound method): name what it wraps
             name = f"partial({getattr(getattr(block, 'func', None), '__qualname__', 'block')})"

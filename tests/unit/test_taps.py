@@ -4,6 +4,8 @@ tap operator itself in a model compiled by torch.compile (inductor), as vLLM com
 from __future__ import annotations
 
 import contextlib
+import inspect
+import re
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ from asyncpp.kernel.hooks import RunHooks
 from asyncpp.kernel.interleaver import Interleaver
 from asyncpp.kernel.traps import INPUT, INPUTS, OUTPUT, SKIP
 from asyncpp.locations.footprint import block_footprint
-from asyncpp.locations.tree import build_tree
+from asyncpp.locations.tree import build_tree, tree_from_paths
+from asyncpp.locations.validate import check_block_paths
 from asyncpp.native import enabled
 from asyncpp.native.controllers import Controllers
 
@@ -110,6 +113,56 @@ def test_an_auto_plan_runs_eagerly_what_reaches_past_its_taps():
     assert "mode='auto'" in str(p.refuse(mlp, OUTPUT))
     p.eager_now = True  # an eager step serves every location
     assert p.refuse(mlp, OUTPUT) is None and p.refuse(PATHS.index("model.layers.0"), INPUTS) is None
+
+
+def test_a_compiled_plan_refuses_at_invoke_the_waits_a_block_is_sure_to_make():
+    refuse = plan().refuse
+
+    async def sure(m):
+        h, _ = await m.model.layers[0].output  # a tap
+        return await m.model.layers[1].mlp.output  # no tap, and on every path through the block
+
+    async def inputs(m):
+        return await m.model.layers[0].inputs
+
+    async def skip(m):
+        await m.model.embed_tokens.output  # a tap
+        await m.model.layers[1].mlp.skip(None)
+
+    async def at(m):
+        return await m.model.layers[1].self_attn.o_proj.output.at(1)
+
+    async def write(m):
+        await m.model.layers[1].mlp.output.set(None)
+
+    async def maybe(m, flag, i):
+        if flag:
+            await m.model.layers[1].mlp.output  # a branch: not sure to run
+        await m.model.layers[i].mlp.output  # an index known at run time
+        try:
+            await m.model.layers[0].mlp.output
+        except LookupError:  # (TapError is one): the block handles it
+            pass
+        unused = m.model.layers[0].mlp.output  # a location not awaited
+        return unused, await m.model.layers[0].output, await m.logits, await m.output
+
+    with pytest.raises(TapError) as info:
+        check_block_paths(sure, tree_from_paths(list(zip(PATHS, TYPES))), refuse)
+    lines, first = inspect.getsourcelines(sure)
+    line = first + next(i for i, text in enumerate(lines) if "layers[1].mlp" in text)
+    assert str(info.value) == str(refuse(PATHS.index("model.layers.1.mlp"), OUTPUT)) + (
+        f"\n  in block {sure.__qualname__}, {__file__}:{line}"
+    )
+    for block, what in [
+        (inputs, "model.layers.0.inputs:"),
+        (skip, "model.layers.1.mlp.skip:"),
+        (at, "model.layers.1.self_attn.o_proj.output is not a tap"),
+        (write, "model.layers.1.mlp.output is not a tap"),
+    ]:
+        with pytest.raises(TapError, match=re.escape(what)):
+            check_block_paths(block, tree_from_paths(list(zip(PATHS, TYPES))), refuse)
+    check_block_paths(maybe, tree_from_paths(list(zip(PATHS, TYPES))), refuse)  # left to the await
+    check_block_paths(sure, tree_from_paths(list(zip(PATHS, TYPES))))  # an engine refusing nothing
 
 
 def test_pattern_matching_is_name_by_name():

@@ -2,8 +2,9 @@
 
 The rest of the vLLM tests run on eager and on compiled engines alike (``helpers.MODES``); this
 module checks the compiled mode's own promises on an engine with the default tap set: an await of a
-location that is not a tap fails at the user's line with a message naming the location, the
-engine's taps and the option that adds it, and fails that request only; patterns that name nothing
+location that is not a tap fails at invoke when the block's code is sure to make it, else at the
+user's line, with a message naming the location, the engine's taps and the option that adds it, and
+fails that request only; patterns that name nothing
 fail the engine's start; a second engine of the same model loads vLLM's compiled graph from its
 cache; greedy tokens equal a stock vLLM engine's (vLLM's own worker, compiled too).
 """
@@ -11,6 +12,7 @@ cache; greedy tokens equal a stock vLLM engine's (vLLM's own worker, compiled to
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 import torch
@@ -36,7 +38,7 @@ def test_the_default_taps_are_the_layers_their_attention_and_mlp_the_embeddings_
     assert compiled.taps == ["model.embed_tokens", *(p for trio in layers for p in trio), "model.norm"]
 
 
-def test_an_untapped_location_fails_its_request_at_the_await(compiled):
+def test_an_untapped_location_a_block_is_sure_to_await_is_refused_at_invoke(compiled):
     async def untapped(m):
         h, r = await m.model.layers[0].output  # a tap
         return await m.model.layers[1].mlp.down_proj.output  # not one
@@ -44,10 +46,10 @@ def test_an_untapped_location_fails_its_request_at_the_await(compiled):
     async def fine(m):
         return (await m.model.layers[1].output)[0][-1].clone()
 
-    with pytest.raises(asyncpp.TapError) as info:
-        with asyncpp.trace(compiled) as t:
-            good = t.invoke(PROMPTS[0], fine)
-            t.invoke(PROMPTS[1], untapped)
+    with asyncpp.trace(compiled) as t:
+        good = t.invoke(PROMPTS[0], fine)
+        with pytest.raises(asyncpp.TapError) as info:
+            t.invoke(PROMPTS[1], untapped)  # nothing of it runs
     msg = str(info.value)
     assert msg.startswith("model.layers.1.mlp.down_proj.output is not a tap of this VllmEngine")
     assert (
@@ -55,8 +57,32 @@ def test_an_untapped_location_fails_its_request_at_the_await(compiled):
         and "taps=['model.layers.1.mlp.down_proj']" in msg
         and "mode='eager'" in msg
     )
+    lines, first = inspect.getsourcelines(untapped)
+    line = first + next(i for i, text in enumerate(lines) if "down_proj.output" in text)
+    assert msg.endswith(f"in block {untapped.__qualname__}, {__file__}:{line}")
+    assert len(t.invokes) == 1 and good.result.dim() == 1  # the trace ran the other invoke
+
+
+def test_an_untapped_location_known_only_at_run_time_fails_its_request_at_the_await(compiled):
+    async def untapped(m, name):
+        h, r = await m.model.layers[0].output  # a tap
+        return await getattr(m.model.layers[1].mlp, name).output  # not one, named at run time
+
+    async def fine(m):
+        return (await m.model.layers[1].output)[0][-1].clone()
+
+    with pytest.raises(asyncpp.TapError) as info:
+        with asyncpp.trace(compiled) as t:
+            good = t.invoke(PROMPTS[0], fine)
+            t.invoke(PROMPTS[1], untapped, "down_proj")
+    msg = str(info.value)
+    assert msg.startswith("model.layers.1.mlp.down_proj.output is not a tap of this VllmEngine")
+    assert "taps=['model.layers.1.mlp.down_proj']" in msg and "mode='eager'" in msg
     notes = "\n".join(getattr(info.value, "__notes__", ()))
-    assert "test_vllm_compiled.py" in notes and "return await m.model.layers[1].mlp.down_proj.output" in notes
+    assert (
+        "test_vllm_compiled.py" in notes
+        and "return await getattr(m.model.layers[1].mlp, name).output" in notes
+    )
     assert good.result.dim() == 1  # the other request of the trace ran to its end
     with asyncpp.trace(compiled) as t:  # the engine goes on
         again = t.invoke(PROMPTS[0], fine)

@@ -165,9 +165,10 @@ class VllmEngine(Engine):
         info = self._taps_info
         #: the tap set of a compiled engine (module paths), empty on an eager one
         self.taps: list[str] = list(info["taps"])
-        #: which requests an auto engine runs eagerly (None elsewhere): see :meth:`runs_eagerly`
+        #: the tap set, as the driver sees it (None on an eager engine): which requests an auto
+        #: engine runs eagerly (:meth:`runs_eagerly`), which waits a compiled one refuses at invoke
         self._plan = None
-        if self.mode == "auto" and info["compiled"]:
+        if info["compiled"]:
             paths = [p for p, _ in entries]
             self._plan = TapPlan(
                 paths, [t for _, t in entries], info["roots"], [*standard_patterns(self.tree), *patterns]
@@ -185,6 +186,14 @@ class VllmEngine(Engine):
         self.start_seconds = progress.done(
             f"compiled in {self.compile_seconds:.1f} s, ready in" if self.mode != "eager" else "ready in"
         )
+
+    def wait_refusal(self) -> Callable[[int, int], Exception | None] | None:
+        """On a ``"compiled"`` engine, the TapError of a wait its taps cannot serve (a trace
+        raises it at invoke when the block's code is sure to make that wait); None elsewhere (an
+        auto engine runs such a block eagerly, an eager one serves every location)."""
+        if self.mode != "compiled" or self._plan is None:
+            return None
+        return self._plan.refuse
 
     def runs_eagerly(self, block: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
         """Whether this engine runs a request with this block eagerly: on an auto engine, when
