@@ -488,6 +488,25 @@ class Interleaver:
         new = v.args[0]
         return new if shard is None else shard.split(new, value)
 
+    def visit_inputs(self, index: int, args: tuple) -> tuple:
+        """Serve the ``input`` and ``inputs`` waits of the call of module ``index`` about to run
+        with positional arguments ``args`` (a compiled engine's inputs tap); returns the arguments
+        the call goes on with (same structure: every block on it writes its own rows)."""
+        n = self.counts[index]
+        self.seen_in[index] = n
+        waits = self.table.waits
+        if index * 4 not in waits and index * 4 + 1 not in waits:
+            return args
+        shard_in = self.hooks.shard_in
+        shard = shard_in.get(index) if shard_in else None
+        local = args[0] if shard is not None and args else None
+        if local is not None:
+            args = (shard.gather(local), *args[1:])
+        v = Visit(index, n, INPUT, args, {})
+        self._serve_visit(v, (INPUT, INPUTS))
+        new = v.args
+        return new if local is None else (shard.split(new[0], local), *new[1:])
+
     def visit_output(self, index: int, out: Any) -> Any:
         """Finish a call of module ``index``: count it, serve its output waits."""
         counts = self.counts

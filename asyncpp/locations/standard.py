@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kernel.errors import AsyncppError, PathError
-from ..kernel.traps import INPUT
+from ..kernel.traps import INPUT, INPUTS
 from ..kernel.views import ValueView
 from .location import Location
 from .tree import Node, Root, _where
@@ -321,10 +321,15 @@ class StandardView(_Named):
         return self.head(hidden)
 
     def tap_patterns(self) -> list[str]:
-        """Module path patterns whose outputs the view reads inside a layer (a compiled engine
-        taps them by default)."""
+        """Tap patterns of the locations the view reads inside the model besides each layer's
+        output and the embeddings' (a compiled engine taps them by default): each layer's
+        attention and MLP, and the first layer's arguments where the stream is read there."""
         lay = self.layout
-        return [f"{lay.layers}.*.{lay.attn}", f"{lay.layers}.*.{lay.mlp}"]
+        patterns = [f"{lay.layers}.*.{lay.attn}", f"{lay.layers}.*.{lay.mlp}"]
+        first = self.layers[0].resid_in
+        if first.kind in (INPUT, INPUTS):
+            patterns.append(f"{first.path}.{'input' if first.kind == INPUT else 'inputs'}")
+        return patterns
 
     def raw_locations(self, layer: int | None, point: str) -> list[tuple[int, int]]:
         """The raw (module index, kind) pairs a point stands for (every layer for ``None``)."""

@@ -154,7 +154,7 @@ def test_a_compiled_plan_refuses_at_invoke_the_waits_a_block_is_sure_to_make():
         f"\n  in block {sure.__qualname__}, {__file__}:{line}"
     )
     for block, what in [
-        (inputs, "model.layers.0.inputs:"),
+        (inputs, "model.layers.0.inputs is not a tap"),
         (skip, "model.layers.1.mlp.skip:"),
         (at, "model.layers.1.self_attn.o_proj.output is not a tap"),
         (write, "model.layers.1.mlp.output is not a tap"),
@@ -217,7 +217,12 @@ class Outer(nn.Module):
 
 @contextlib.contextmanager
 def compiled_outer(
-    choice: str, monkeypatch, batch: int, inputs: bool = False, warm: torch.Tensor | None = None
+    choice: str,
+    monkeypatch,
+    batch: int,
+    inputs: bool = False,
+    warm: torch.Tensor | None = None,
+    patterns: tuple[str, ...] = (),
 ):
     """An ``Outer`` whose stack is compiled by inductor with its layers tapped, served by a real
     interleaver through real controllers (``choice``): yields the model, its tree and the kernel.
@@ -228,11 +233,19 @@ def compiled_outer(
     model = Outer().eval()
     tree, modules, paths = build_tree(model, {})
     plan = taps.TapPlan(
-        paths, [type(m).__name__ for m in modules], ["inner"], ["inner.layers.*.input"] if inputs else []
+        paths,
+        [type(m).__name__ for m in modules],
+        ["inner"],
+        [*(["inner.layers.*.input"] if inputs else []), *patterns],
     )
-    for i in sorted(plan.sites | plan.in_sites):
+    for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
         modules[i].forward = taps.tapped_forward(
-            modules[i].forward, i, paths[i], output=i in plan.sites, input=i in plan.in_sites
+            modules[i].forward,
+            i,
+            paths[i],
+            output=i in plan.sites,
+            input=i in plan.in_sites,
+            inputs=i in plan.ins_sites,
         )
     model.inner.forward = torch.compile(model.inner.forward, backend="inductor", dynamic=True)
     if warm is not None:
@@ -250,10 +263,12 @@ def compiled_outer(
         controllers.remove()
 
 
-def compiled_run(choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool = False):
+def compiled_run(
+    choice: str, monkeypatch, blocks, x: torch.Tensor, inputs: bool = False, patterns: tuple[str, ...] = ()
+):
     """Run ``blocks`` (pairs of block function and rows) on a compiled ``Outer``
     (:func:`compiled_outer`) in one forward."""
-    with compiled_outer(choice, monkeypatch, x.shape[0], inputs) as (model, tree, kernel):
+    with compiled_outer(choice, monkeypatch, x.shape[0], inputs, patterns=patterns) as (model, tree, kernel):
         with kernel.active(), torch.inference_mode():
             started = [kernel.start(fn(tree), n, rows) for n, (fn, rows) in enumerate(blocks)]
             out = model(x)
@@ -338,6 +353,66 @@ def test_compiled_input_taps_serve_the_first_argument(choice, monkeypatch):
     with torch.no_grad():
         ref = ref_model(x)
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_compiled_inputs_taps_serve_every_argument(choice, monkeypatch):
+    x = torch.randn(5, 8)
+
+    async def reader(m):  # rows 0..2: reads layer 1's arguments, zeroes its residual in place
+        args, kwargs = await m.inner.layers[1].inputs
+        kept = [a.clone() for a in args]
+        args[1].zero_()
+        return kept, kwargs, (await m.inner.layers[1].input).clone()  # (served by the same tap)
+
+    async def writer(m):  # rows 2..5: replaces layer 2's first argument
+        args, kwargs = await m.inner.layers[2].inputs
+        await m.inner.layers[2].inputs.set(((args[0] * 0 + 1, args[1]), kwargs))
+
+    _, out, (a, b) = compiled_run(
+        choice, monkeypatch, [(reader, (0, 2)), (writer, (2, 5))], x, patterns=("inner.layers.*.inputs",)
+    )
+    assert a.error is None and b.error is None, (a.error, b.error)
+
+    def edit1(mod, args):
+        r = args[1].clone()
+        r[0:2] = 0
+        return args[0], r
+
+    def edit2(mod, args):
+        h = args[0].clone()
+        h[2:5] = 1
+        return h, args[1]
+
+    torch.manual_seed(0)
+    ref_model = Outer().eval()
+    seen = []
+    ref_model.inner.layers[1].register_forward_pre_hook(
+        lambda mod, args: seen.append([t.clone() for t in args])
+    )
+    ref_model.inner.layers[1].register_forward_pre_hook(edit1)
+    ref_model.inner.layers[2].register_forward_pre_hook(edit2)
+    with torch.no_grad():
+        ref = ref_model(x)
+    torch.testing.assert_close(out, ref)
+    kept, kwargs, first = a.result
+    assert kwargs == {} and len(kept) == 2
+    torch.testing.assert_close(kept[0], seen[0][0][0:2])
+    torch.testing.assert_close(kept[1], seen[0][1][0:2])
+    torch.testing.assert_close(first, seen[0][0][0:2])
+    p = plan("model.layers.*.inputs")
+    assert "model.layers.0.inputs" in p.tap_paths
+    layer = PATHS.index("model.layers.1")
+    assert p.refuse(layer, INPUTS) is None and p.refuse(layer, INPUT) is None
+    assert "taps=['model.layers.1.inputs']" in str(plan().refuse(layer, INPUTS))
+
+
+def test_an_inputs_tap_needs_positional_tensors():
+    forward = taps.tapped_forward(lambda x, scale=1.0: x * scale, 3, "mod.x", output=False, inputs=True)
+    with pytest.raises(
+        TapError, match=r"mod\.x\.inputs cannot be a tap: the module is called with \(Tensor, scale=\)"
+    ):
+        forward(torch.ones(2), scale=2.0)
 
 
 def test_an_output_that_cannot_be_a_tap_is_named():

@@ -1,8 +1,12 @@
 """The standard view (``m.std``) on vLLM, one tiny checkpoint of each architecture: the same blocks,
 unchanged, give Hugging Face's numbers (reads, in-place and replacing writes, generation steering).
 
-One eager engine per cell (architecture, tensor-parallel size), alive only for that cell's tests
-(parametrized at module scope, so engines start one after another).
+One engine per cell (architecture, tensor- and pipeline-parallel sizes, mode), alive only for that
+cell's tests (parametrized at module scope, so engines start one after another). The cells run
+eager engines, and compiled ones (taps) where the compiled path differs by family: Gemma-2 and
+GPT-2, whose standard view reads the stream at the first layer's arguments (an inputs tap), GPT-2
+at PP=2 too, and a MoE. Every cell passes compiled as well (run so once); the rest stay eager
+because each compiled cell adds a compile of its own checkpoint to CI.
 """
 
 from __future__ import annotations
@@ -22,24 +26,30 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "mixtra
 # a MoE with a shared expert (partial sums) and on Gemma-2 (its vocabulary-parallel embedding is also
 # its head); PP=2 on Llama (its norm and head on the last stage only) and on families that build
 # their embedding and final norm on every stage; TP=2 x PP=2 on Gemma-2 and Qwen2-MoE
+# (and the mode: eager, and compiled where that path differs by family)
 CELLS = (
-    [(arch, 1, 1) for arch in ARCHS]
-    + [("qwen2_moe", 2, 1), ("gemma2", 2, 1)]
-    + [("llama", 1, 2), ("gpt2", 1, 2), ("mixtral", 1, 2)]
-    + [("gemma2", 2, 2), ("qwen2_moe", 2, 2)]
+    [(arch, 1, 1, "eager") for arch in ARCHS]
+    + [("qwen2_moe", 2, 1, "eager"), ("gemma2", 2, 1, "eager")]
+    + [("llama", 1, 2, "eager"), ("gpt2", 1, 2, "eager"), ("mixtral", 1, 2, "eager")]
+    + [("gemma2", 2, 2, "eager"), ("qwen2_moe", 2, 2, "eager")]
+    + [("gemma2", 1, 1, "compiled"), ("gpt2", 1, 2, "compiled"), ("qwen2_moe", 1, 1, "compiled")]
 )
 ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module", params=CELLS, ids=[f"{a}-tp{tp}-pp{pp}" for a, tp, pp in CELLS])
+@pytest.fixture(
+    scope="module",
+    params=CELLS,
+    ids=[f"{a}-tp{tp}-pp{pp}" + ("-compiled" if mode == "compiled" else "") for a, tp, pp, mode in CELLS],
+)
 def pair(request):
     """(Hugging Face engine, vLLM engine) on the same tiny checkpoint of one architecture."""
-    arch, tp, pp = request.param
+    arch, tp, pp, mode = request.param
     path = tiny_checkpoint(arch)
     hf = asyncpp.LocalEngine(build_tiny(arch, checkpoint=True), AutoTokenizer.from_pretrained(path))
     vl = asyncpp.VllmEngine(
-        path, dtype="float32", mode="eager", tensor_parallel_size=tp, pipeline_parallel_size=pp
+        path, dtype="float32", mode=mode, tensor_parallel_size=tp, pipeline_parallel_size=pp
     )
     yield hf, vl
     vl.close()

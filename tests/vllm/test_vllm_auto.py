@@ -81,7 +81,7 @@ def test_which_blocks_run_eagerly(auto):
     assert not auto.runs_eagerly(a_loop_over_layers)
     assert auto.runs_eagerly(on_a_sub_module)
     assert auto.runs_eagerly(one_branch_reads_an_attention, (False,))  # every branch counts
-    assert auto.runs_eagerly(an_input_of_a_tap)  # inputs: no tap serves them
+    assert auto.runs_eagerly(an_input_of_a_tap)  # layer 2's inputs: no tap serves them
     assert auto.runs_eagerly(through_a_helper)  # the tree goes where the reading does not follow
     assert auto.runs_eagerly(by_a_computed_path, ("model.layers.0",))
 

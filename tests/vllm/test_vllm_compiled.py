@@ -101,9 +101,19 @@ def test_what_taps_do_not_serve_is_refused_clearly(compiled):
         logits = (await m.logits).clone()
         return logits, (await m.samples).sampled_token_ids.clone()
 
-    with pytest.raises(asyncpp.TapError, match=r"model\.layers\.2\.inputs: .* output or its first argument"):
+    async def skip_a_layer(m):
+        await m.model.layers[2].skip(None)
+
+    with pytest.raises(
+        asyncpp.TapError, match=r"model\.layers\.2\.inputs is not a tap.*taps=\['model\.layers\.2\.inputs'\]"
+    ):
         with asyncpp.trace(compiled) as t:
             t.invoke(PROMPTS[0], inputs_of_a_tap)
+    with pytest.raises(
+        asyncpp.TapError, match=r"model\.layers\.2\.skip: .* skip needs the module called from Python"
+    ):
+        with asyncpp.trace(compiled) as t:
+            t.invoke(PROMPTS[0], skip_a_layer)
     with pytest.raises(asyncpp.TapError, match=r"model\.output is not a tap.*`m\.output`"):
         with asyncpp.trace(compiled) as t:
             t.invoke(PROMPTS[0], inner_model)

@@ -71,8 +71,9 @@ class VllmEngine(Engine):
     :param taps: module path patterns (``*`` within one name, ``**`` across names) of further
         taps on a compiled or auto engine, besides the default set: every direct child of the
         compiled model (the embeddings, each decoder layer, the final norm) and the attention and
-        MLP of each layer (the standard view's points). Taps serve outputs, or a module's first
-        argument for a pattern ending in ``.input``.
+        MLP of each layer (the standard view's points; on models whose embedding is not the
+        stream, the first layer's arguments too). Taps serve outputs, a module's first argument
+        for a pattern ending in ``.input``, all its arguments for ``.inputs``.
     :param standard_view: give blocks ``m.std``, the standard view (a model of a family without
         one fails here, naming what its tree lacks; False runs it with the raw tree only).
     :param node_timeout: on a multi-node engine (``nnodes > 1``; this engine is node 0, the

@@ -9,7 +9,8 @@ the code that reads it. When it runs, it calls back into the worker's interleave
 waits on the site it counts the call and returns (a set lookup); otherwise the blocks are served as
 at a controller, and a replaced value is copied into the graph's own tensors.
 
-Taps serve a module's output, or (a pattern ending in ``.input``) its first argument. Modules outside the compiled region (the top-level model, the
+Taps serve a module's output, its first argument (a pattern ending in ``.input``) or all its
+arguments (``.inputs``: positional tensors and Nones). Modules outside the compiled region (the top-level model, the
 logits processor, the sampler) keep their controllers and serve every kind of location, as in eager
 mode. The tap set is fixed when the engine starts: the default (every direct child of the compiled
 model, with each decoder layer of its layer list) plus the user's patterns.
@@ -26,10 +27,10 @@ import torch
 from torch import Tensor
 
 from ...kernel.errors import TapError
-from ...kernel.traps import INPUT, KIND_NAMES, OUTPUT
+from ...kernel.traps import INPUT, INPUTS, KIND_NAMES, OUTPUT, SKIP
 from ...locations.footprint import Footprint
 
-TAPS_VERSION = 2  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
+TAPS_VERSION = 3  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
 
 _LIB = torch.library.Library("asyncpp", "DEF")
 _LIB.define("tap(Tensor(a!)[] values, int site, int[] layout, int stage) -> ()")
@@ -41,12 +42,13 @@ BARE = -1  # layout of an output that is one tensor; else one entry per tuple it
 class _Server:
     """The worker's interleaver as the taps see it (one per process: a worker serves one model)."""
 
-    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "after", "link")
+    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "visit_inputs", "after", "link")
 
     def __init__(self, kernel: Any, controllers: Any, sites: Iterable[int]):
         fields = kernel.link_fields()
         self.hot_in, self.hot_out, self.counts = fields["hot_in"], fields["hot_out"], fields["counts"]
         self.visit_input = kernel.visit_input
+        self.visit_inputs = kernel.visit_inputs
         # per output tap, what its module's controller would do after the call (native: the fast path)
         self.after = {i: controllers.output_server(i) for i in sites}
         self.link = controllers.link
@@ -141,9 +143,13 @@ def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None
     else:
         if site not in server.hot_in or server.link.bypass:
             return
-        new = server.visit_input(site, values[0])
-        if new is not values[0]:
-            values[0].copy_(new)
+        if stage == INPUT:
+            new = server.visit_input(site, values[0])
+            if new is not values[0]:
+                values[0].copy_(new)
+            return
+        args = _assemble(values, layout)
+        _copy_into(values, server.visit_inputs(site, args), layout)
         return
     out = values[0] if layout[0] == BARE else _assemble(values, layout)
     new = server.after[site](out)
@@ -201,11 +207,29 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
-def tapped_forward(forward: Any, site: int, path: str, output: bool = True, input: bool = False) -> Any:
-    """``forward`` with the taps of module ``site`` on its output and/or its first argument
-    (traced into the graph)."""
+def flatten_args(args: tuple, kwargs: dict, path: str) -> tuple[list[Tensor], list[int]]:
+    """The tensors of a module call's arguments and their layout (an inputs tap's arguments)."""
+    if not kwargs and args and all(x is None or isinstance(x, Tensor) for x in args):
+        tensors = [x for x in args if x is not None]
+        if tensors:
+            return tensors, [0 if x is None else 1 for x in args]
+    given = ", ".join(type(x).__name__ for x in args) + "".join(f", {k}=" for k in kwargs)
+    raise TapError(
+        f"{path}.inputs cannot be a tap: the module is called with ({given}); an inputs tap serves "
+        f"calls with positional tensors (and Nones) only"
+    )
+
+
+def tapped_forward(
+    forward: Any, site: int, path: str, output: bool = True, input: bool = False, inputs: bool = False
+) -> Any:
+    """``forward`` with the taps of module ``site`` on its output, its first argument and/or all
+    its arguments (traced into the graph)."""
 
     def tapped(*args: Any, **kwargs: Any) -> Any:
+        if inputs:
+            values, layout = flatten_args(args, kwargs, path)
+            torch.ops.asyncpp.tap(values, site, layout, INPUTS)
         if input:
             if not args or not isinstance(args[0], Tensor):
                 raise TapError(f"{path}.input cannot be a tap: the module's first argument is not a tensor")
@@ -304,18 +328,19 @@ class TapPlan:
                 elif parent and _parent(parent) == r and types[index[parent]] == "ModuleList":
                     sites.add(i)  # a decoder layer of the layer list
         self.unmatched = []
-        in_sites = set()
+        by_kind: dict[str, set[int]] = {"": sites, ".input": set(), ".inputs": set()}
         for pat in self.patterns:
-            on_input = pat.endswith(".input")
-            module_pat = pat[: -len(".input")] if on_input else pat
+            suffix = next((k for k in (".input", ".inputs") if pat.endswith(k)), "")
+            module_pat = pat[: len(pat) - len(suffix)]
             found = [
                 i for i in inside if self.paths[i] not in self.roots and matches(module_pat, self.paths[i])
             ]
             if not found:
                 self.unmatched.append(pat)
-            (in_sites if on_input else sites).update(found)
+            by_kind[suffix].update(found)
         self.sites = frozenset(sites)  # output taps
-        self.in_sites = frozenset(in_sites)  # input taps (the module's first argument)
+        self.in_sites = frozenset(by_kind[".input"])  # input taps (the module's first argument)
+        self.ins_sites = frozenset(by_kind[".inputs"])  # inputs taps (all its arguments)
         #: the kernel's ``refuse_at`` (a set the native link reads live): emptied for eager steps
         self.guarded = set(self.refuse_at)
 
@@ -326,11 +351,14 @@ class TapPlan:
 
     @property
     def tap_paths(self) -> list[str]:
-        """Every tap: module paths (outputs), and ``<path>.input`` for input taps."""
-        both = [(i, self.paths[i]) for i in self.sites] + [
-            (i, self.paths[i] + ".input") for i in self.in_sites
+        """Every tap: module paths (outputs), ``<path>.input`` for input taps and
+        ``<path>.inputs`` for inputs taps."""
+        every = [
+            *((i, self.paths[i]) for i in self.sites),
+            *((i, self.paths[i] + ".input") for i in self.in_sites),
+            *((i, self.paths[i] + ".inputs") for i in self.ins_sites),
         ]
-        return [p for _, p in sorted(both)]
+        return [p for _, p in sorted(every)]
 
     def error(self) -> str | None:
         """Why the user's patterns cannot be used (a pattern that names no compiled module)."""
@@ -384,34 +412,38 @@ class TapPlan:
         """The error for a wait on (``index``, ``kind``), if the compiled model cannot serve it."""
         if index not in self.inside:
             return None
-        if (kind == OUTPUT and index in self.sites) or (kind == INPUT and index in self.in_sites):
+        if (
+            (kind == OUTPUT and index in self.sites)
+            or (kind == INPUT and (index in self.in_sites or index in self.ins_sites))
+            or (kind == INPUTS and index in self.ins_sites)
+        ):
             return None
         path = self.paths[index]
         what = f"{path}.{KIND_NAMES[kind]}"
         eager = "or make the engine with mode='eager' (every location, slower)"
-        if kind not in (OUTPUT, INPUT):
+        if kind == SKIP:
             return TapError(
                 f"{what}: this VllmEngine runs vLLM's compiled model, whose taps serve a module's "
-                f"output or its first argument (input) only; {KIND_NAMES[kind]} needs the module "
-                f"called from Python: {eager}"
+                f"output or its arguments (input, inputs) only; skip needs the module called from "
+                f"Python: {eager}"
             )
         if path in self.roots:
-            hint = "its value is the top-level model's, `m.output`,"
-        elif kind == INPUT:
-            hint = f"add the tap with VllmEngine(..., taps=[{path + '.input'!r}]),"
-        else:
+            hint = "its value is the top-level model's, `m.output`," if kind == OUTPUT else ""
+        elif kind == OUTPUT:
             hint = f"add the tap with VllmEngine(..., taps=[{path!r}]),"
+        else:
+            hint = f"add the tap with VllmEngine(..., taps=[{f'{path}.{KIND_NAMES[kind]}'!r}]),"
+        fix = f"{hint} {eager}" if hint else eager[3:]
         if self.auto:
             return TapError(
                 f"{what} is not a tap of this VllmEngine (mode='auto'), and this step runs vLLM's "
                 f"compiled model: the block reached it in a way its code does not show at invoke "
                 f"(mode='auto' runs a request eagerly when its block's code names a location that "
-                f"is no tap; this engine's taps: {self.describe()}). To serve it, {hint} {eager}"
+                f"is no tap; this engine's taps: {self.describe()}). To serve it, {fix}"
             )
         return TapError(
             f"{what} is not a tap of this VllmEngine, which runs vLLM's compiled model: inside it "
-            f"only taps can be awaited (this engine's: {self.describe()}). To serve it, {hint} "
-            f"{eager}"
+            f"only taps can be awaited (this engine's: {self.describe()}). To serve it, {fix}"
         )
 
 

@@ -205,11 +205,16 @@ class WorkerSession:
             inside = self.plan.inside
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
             plan = self.plan
-            for i in sorted(plan.sites | plan.in_sites):
+            for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
                 module = modules[i]
                 if module is not None:
                     module.forward = taps.tapped_forward(
-                        module.forward, i, self.paths[i], output=i in plan.sites, input=i in plan.in_sites
+                        module.forward,
+                        i,
+                        self.paths[i],
+                        output=i in plan.sites,
+                        input=i in plan.in_sites,
+                        inputs=i in plan.ins_sites,
                     )
         self.controllers = Controllers(controlled)
         shard_out, shard_in = find_shardings(modules, self.paths)
