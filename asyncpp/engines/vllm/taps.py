@@ -420,7 +420,7 @@ class TapPlan:
             return None
         path = self.paths[index]
         what = f"{path}.{KIND_NAMES[kind]}"
-        eager = "or make the engine with mode='eager' (every location, slower)"
+        eager = "make the engine with mode='eager' (every location, slower)"
         if kind == SKIP:
             return TapError(
                 f"{what}: this VllmEngine runs vLLM's compiled model, whose taps serve a module's "
@@ -433,7 +433,7 @@ class TapPlan:
             hint = f"add the tap with VllmEngine(..., taps=[{path!r}]),"
         else:
             hint = f"add the tap with VllmEngine(..., taps=[{f'{path}.{KIND_NAMES[kind]}'!r}]),"
-        fix = f"{hint} {eager}" if hint else eager[3:]
+        fix = f"{hint} or {eager}" if hint else eager
         if self.auto:
             return TapError(
                 f"{what} is not a tap of this VllmEngine (mode='auto'), and this step runs vLLM's "
