@@ -477,25 +477,19 @@ class Interleaver:
         """Serve the ``input`` waits of the call of module ``index`` about to run, whose first
         argument is ``value`` (a compiled engine's input tap, where the call itself runs in the
         graph); returns the value the call goes on with."""
-        n = self.counts[index]
-        self.seen_in[index] = n
-        if index * 4 not in self.table.waits:
-            return value
-        shard_in = self.hooks.shard_in
-        shard = shard_in.get(index) if shard_in else None
-        v = Visit(index, n, INPUT, (value if shard is None else shard.gather(value),), {})
-        self._serve_visit(v, (INPUT,))
-        new = v.args[0]
-        return new if shard is None else shard.split(new, value)
+        return self._visit_args(index, (value,), (INPUT,))[0]
 
     def visit_inputs(self, index: int, args: tuple) -> tuple:
         """Serve the ``input`` and ``inputs`` waits of the call of module ``index`` about to run
         with positional arguments ``args`` (a compiled engine's inputs tap); returns the arguments
         the call goes on with (same structure: every block on it writes its own rows)."""
+        return self._visit_args(index, args, (INPUT, INPUTS))
+
+    def _visit_args(self, index: int, args: tuple, kinds: tuple) -> tuple:
         n = self.counts[index]
         self.seen_in[index] = n
         waits = self.table.waits
-        if index * 4 not in waits and index * 4 + 1 not in waits:
+        if all(index * 4 + kind not in waits for kind in kinds):
             return args
         shard_in = self.hooks.shard_in
         shard = shard_in.get(index) if shard_in else None
@@ -503,7 +497,7 @@ class Interleaver:
         if local is not None:
             args = (shard.gather(local), *args[1:])
         v = Visit(index, n, INPUT, args, {})
-        self._serve_visit(v, (INPUT, INPUTS))
+        self._serve_visit(v, kinds)
         new = v.args
         return new if local is None else (shard.split(new[0], local), *new[1:])
 

@@ -18,6 +18,7 @@ OUTPUT = 2  # the return value of a module call
 SKIP = 3  # supply the output instead of running the module
 
 KIND_NAMES = ("input", "inputs", "output", "skip")
+KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
 
 # trap codes (what the interleaver dispatches on)
 READ, WRITE, STEP, SLOT, GATHER, PULL = range(6)  # PULL: a cross-stage value (asyncpp.pp)

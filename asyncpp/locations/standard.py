@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kernel.errors import AsyncppError, PathError
-from ..kernel.traps import INPUT, INPUTS
+from ..kernel.traps import INPUT, INPUTS, KIND_NAMES
 from ..kernel.views import ValueView
 from .location import Location
 from .tree import Node, Root, _where
@@ -328,7 +328,7 @@ class StandardView(_Named):
         patterns = [f"{lay.layers}.*.{lay.attn}", f"{lay.layers}.*.{lay.mlp}"]
         first = self.layers[0].resid_in
         if first.kind in (INPUT, INPUTS):
-            patterns.append(f"{first.path}.{'input' if first.kind == INPUT else 'inputs'}")
+            patterns.append(f"{first.path}.{KIND_NAMES[first.kind]}")
         return patterns
 
     def raw_locations(self, layer: int | None, point: str) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from types import FunctionType, MethodType
 
 from ..kernel.errors import PathError, TapError
-from ..kernel.traps import INPUT, INPUTS, OUTPUT, SKIP
+from ..kernel.traps import KIND_CODES
 from .tree import RESERVED, Node, Root, _unknown
 
 _STOP = RESERVED | {"at", "set", "find", "children"}
@@ -51,7 +51,6 @@ _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 # the exception classes a PathError (or a TapError) is an instance of: a handler naming one of
 # them catches it
 _CATCHERS = frozenset(c.__name__ for c in (*PathError.__mro__, *TapError.__mro__))
-_KINDS = {"output": OUTPUT, "input": INPUT, "inputs": INPUTS, "skip": SKIP}
 Refuse = Callable[[int, int], Exception | None]
 # iterables of these builtins are as empty as their argument
 _SAME_LENGTH = frozenset({"enumerate", "reversed", "list", "tuple", "sorted", "iter", "set"})
@@ -248,11 +247,11 @@ class _Checker:
         if not (isinstance(base, ast.Name) and base.id == self.root):
             return
         at = next((i for i, p in enumerate(parts) if isinstance(p, str) and p in _STOP), None)
-        if at is None or parts[at] not in _KINDS or ... in parts[:at]:
+        if at is None or parts[at] not in KIND_CODES or ... in parts[:at]:
             return
         error, frontier = _resolve(self.tree, parts[:at])
         if error is None and len(frontier) == 1:
-            refusal = self.refuse(frontier[0]._index, _KINDS[parts[at]])
+            refusal = self.refuse(frontier[0]._index, KIND_CODES[parts[at]])
             if refusal is not None:
                 raise _Found(e, refusal)
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ...kernel.errors import TapError
-from ...kernel.traps import INPUT, INPUTS, KIND_NAMES, OUTPUT, SKIP
+from ...kernel.traps import INPUT, INPUTS, KIND_CODES, KIND_NAMES, OUTPUT, SKIP
 from ...locations.footprint import Footprint
 
 TAPS_VERSION = 3  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
@@ -35,7 +35,6 @@ TAPS_VERSION = 3  # part of vLLM's compile-cache key: bump when the tap operator
 _LIB = torch.library.Library("asyncpp", "DEF")
 _LIB.define("tap(Tensor(a!)[] values, int site, int[] layout, int stage) -> ()")
 
-KIND_CODES = {name: code for code, name in enumerate(KIND_NAMES)}
 BARE = -1  # layout of an output that is one tensor; else one entry per tuple item: 1 tensor, 0 None
 
 
