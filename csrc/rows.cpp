@@ -30,8 +30,32 @@ at::Tensor rows_view(const at::Tensor& t, int64_t start, int64_t stop) {
   return at::Tensor(std::move(impl));
 }
 
-// ``value`` with its tensors of first dimension ``batch`` narrowed to rows [start, stop); tuples
-// and lists element by element; anything else as it is. New reference, or nullptr with an error.
+// The kernel's Python narrowing (batching.narrow), for the containers this file does not build
+// itself (named tuples, dataclasses, dict subclasses): the two must agree on every value.
+PyObject* fallback = nullptr;
+
+PyObject* narrow(PyObject* o, int64_t start, int64_t stop, int64_t batch);
+
+PyObject* narrow_dict(PyObject* o, int64_t start, int64_t stop, int64_t batch) {
+  PyObject* out = PyDict_New();
+  if (!out) return nullptr;
+  PyObject *key, *item;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(o, &pos, &key, &item)) {
+    PyObject* v = narrow(item, start, stop, batch);
+    if (!v || PyDict_SetItem(out, key, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(v);
+  }
+  return out;
+}
+
+// ``value`` with its tensors of first dimension ``batch`` narrowed to rows [start, stop); tuples,
+// lists and dicts element by element; other containers by the kernel's Python narrowing; plain
+// scalars as they are. New reference, or nullptr with an error.
 PyObject* narrow(PyObject* o, int64_t start, int64_t stop, int64_t batch) {
   if (THPVariable_Check(o)) {
     const at::Tensor& t = THPVariable_Unpack(o);
@@ -41,8 +65,12 @@ PyObject* narrow(PyObject* o, int64_t start, int64_t stop, int64_t batch) {
   }
   const bool is_tuple = PyTuple_CheckExact(o);
   if (!is_tuple && !PyList_CheckExact(o)) {
-    Py_INCREF(o);
-    return o;
+    if (PyDict_CheckExact(o)) return narrow_dict(o, start, stop, batch);
+    if (o == Py_None || PyLong_Check(o) || PyFloat_CheckExact(o) || PyUnicode_CheckExact(o) || !fallback) {
+      Py_INCREF(o);
+      return o;
+    }
+    return PyObject_CallFunction(fallback, "OLLL", o, (long long)start, (long long)stop, (long long)batch);
   }
   const Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(o) : PyList_GET_SIZE(o);
   PyObject* out = is_tuple ? PyTuple_New(n) : PyList_New(n);
@@ -81,4 +109,11 @@ PyObject* asyncpp::narrow_rows(PyObject* value, Py_ssize_t start, Py_ssize_t sto
 
 void asyncpp::register_rows(pybind11::module_& m) {
   m.def("narrow_rows", &narrow_value, "value with its batch-sized tensors narrowed to rows [start, stop)");
+  m.def(
+      "set_narrow_fallback",
+      [](const pybind11::object& fn) {
+        Py_XDECREF(fallback);
+        fallback = fn.is_none() ? nullptr : fn.inc_ref().ptr();
+      },
+      "``fn(value, start, stop, batch)`` narrows the containers narrow_rows does not build itself");
 }

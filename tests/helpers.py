@@ -21,6 +21,7 @@ TEST_TAPS = (
     "model.layers.*.mlp.act_fn",
     "model.layers.*.self_attn.qkv_proj",
     "model.layers.*.self_attn.o_proj.input",
+    "model.layers.*.self_attn.inputs",  # (called by keyword: positions=, hidden_states=)
 )
 
 

@@ -19,10 +19,16 @@ from .views import ValueView
 _native_narrow: Any = None  # csrc/rows.cpp's narrow_rows, once the native extension is loaded
 
 
-def use_native(narrow_rows: Any) -> None:
-    """Let :func:`narrow` hand tensors, tuples and lists to the native implementation."""
+def use_native(native: Any) -> None:
+    """Let :func:`narrow` hand tensors, tuples and lists to the native implementation
+    (``native.narrow_rows``), which hands back the containers it does not build itself."""
     global _native_narrow
-    _native_narrow = narrow_rows
+    _native_narrow = native.narrow_rows
+    native.set_narrow_fallback(_narrow_rows)
+
+
+def _narrow_rows(value: Any, start: int, stop: int, batch: int) -> Any:
+    return narrow(value, (start, stop), batch)
 
 
 def narrow(value: Any, rows: tuple[int, int] | None, batch: int) -> Any:

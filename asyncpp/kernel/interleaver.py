@@ -477,29 +477,30 @@ class Interleaver:
         """Serve the ``input`` waits of the call of module ``index`` about to run, whose first
         argument is ``value`` (a compiled engine's input tap, where the call itself runs in the
         graph); returns the value the call goes on with."""
-        return self._visit_args(index, (value,), (INPUT,))[0]
+        args, kwargs = self._visit_args(index, (value,), {}, (INPUT,))
+        return args[0]
 
-    def visit_inputs(self, index: int, args: tuple) -> tuple:
+    def visit_inputs(self, index: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Serve the ``input`` and ``inputs`` waits of the call of module ``index`` about to run
-        with positional arguments ``args`` (a compiled engine's inputs tap); returns the arguments
-        the call goes on with (same structure: every block on it writes its own rows)."""
-        return self._visit_args(index, args, (INPUT, INPUTS))
+        with ``args`` and ``kwargs`` (a compiled engine's inputs tap); returns the arguments the
+        call goes on with (same structure: every block on it writes its own rows)."""
+        return self._visit_args(index, args, kwargs, (INPUT, INPUTS))
 
-    def _visit_args(self, index: int, args: tuple, kinds: tuple) -> tuple:
+    def _visit_args(self, index: int, args: tuple, kwargs: dict, kinds: tuple) -> tuple[tuple, dict]:
         n = self.counts[index]
         self.seen_in[index] = n
         waits = self.table.waits
         if all(index * 4 + kind not in waits for kind in kinds):
-            return args
+            return args, kwargs
         shard_in = self.hooks.shard_in
         shard = shard_in.get(index) if shard_in else None
         local = args[0] if shard is not None and args else None
         if local is not None:
             args = (shard.gather(local), *args[1:])
-        v = Visit(index, n, INPUT, args, {})
+        v = Visit(index, n, INPUT, args, kwargs)
         self._serve_visit(v, kinds)
         new = v.args
-        return new if local is None else (shard.split(new[0], local), *new[1:])
+        return (new if local is None else (shard.split(new[0], local), *new[1:])), v.kwargs
 
     def visit_output(self, index: int, out: Any) -> Any:
         """Finish a call of module ``index``: count it, serve its output waits."""

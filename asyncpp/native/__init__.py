@@ -103,7 +103,7 @@ def load() -> ModuleType:
             module.set_types(Location, Block, Wait, Interleaver, StepGate, ValueView)
             from ..kernel import batching
 
-            batching.use_native(module.narrow_rows)  # the fast path recognises plain reads by type
+            batching.use_native(module)  # the fast path recognises plain reads by type
             from ..kernel.traps import Gather, Read, StepGate
 
             for trap in (Read, StepGate, Gather):  # Write keeps its own: it marks itself awaited

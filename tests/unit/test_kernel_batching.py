@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import pytest
 import torch
 
@@ -176,3 +179,68 @@ def test_native_row_narrowing_agrees_with_the_python_twin(mode):
     else:
         view.sum().backward()  # the rows stay in the autograd graph
         assert base.grad[2:4].eq(2).all() and base.grad[:2].eq(0).all()
+
+
+def test_native_row_narrowing_narrows_every_container_the_python_twin_does():
+    native = asyncpp.native.load()
+    if native is None:
+        pytest.skip("the native extension is off")
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Box:
+        t: torch.Tensor
+        n: int
+
+    h = torch.randn(6, 3)
+    # (args, kwargs) of a module called by keyword, as `.inputs` presents it, and other containers
+    value = ((h,), {"hidden_states": h, "scale": 2.0, "nested": [h, {"x": h}]}, Pair(h, None), Box(h, 4), "s")
+    got = native.narrow_rows(value, 2, 5, 6)
+    want = _python_narrow(value, (2, 5), 6)
+    assert type(got[1]) is dict and type(got[2]) is Pair and type(got[3]) is Box
+    pairs = [
+        (got[0][0], want[0][0]),
+        (got[1]["hidden_states"], want[1]["hidden_states"]),
+        (got[1]["nested"][0], want[1]["nested"][0]),
+        (got[1]["nested"][1]["x"], want[1]["nested"][1]["x"]),
+        (got[2].a, want[2].a),
+        (got[3].t, want[3].t),
+    ]
+    for g, w in pairs:
+        assert g.shape == (3, 3) and torch.equal(g, w) and torch.equal(g, h[2:5])
+    assert got[1]["scale"] == 2.0 and got[2].b is None and got[3].n == 4 and got[4] == "s"
+
+
+def test_a_module_called_by_keyword_shows_each_invoke_its_own_rows_of_its_inputs():
+    class Inner(torch.nn.Module):
+        def forward(self, x, scale=None):
+            return x * scale
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x=x, scale=torch.full_like(x, 2.0))
+
+    model = Outer()
+    xa, xb = torch.randn(2, 4), torch.randn(3, 4)
+
+    async def read_and_zero(m):
+        args, kwargs = await m.inner.inputs
+        kept = {k: v.clone() for k, v in kwargs.items()}
+        kwargs["x"].zero_()  # its own rows only
+        return args, kept
+
+    async def read(m):
+        return await m.inner.input
+
+    with asyncpp.trace(model) as t:
+        a = t.invoke(xa, read_and_zero)
+        b = t.invoke(xb, read)
+    args, kept = a.result
+    assert args == () and list(kept) == ["x", "scale"]
+    assert torch.equal(kept["x"], xa) and torch.equal(kept["scale"], torch.full_like(xa, 2.0))
+    assert torch.equal(b.result, xb)
+    assert torch.equal(a.output, torch.zeros_like(xa)) and torch.equal(b.output, xb * 2)

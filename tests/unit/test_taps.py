@@ -13,7 +13,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from asyncpp.engines.vllm import taps
-from asyncpp.kernel.errors import TapError
+from asyncpp.kernel.errors import TapError, WriteError
 from asyncpp.kernel.hooks import RunHooks
 from asyncpp.kernel.interleaver import Interleaver
 from asyncpp.kernel.traps import INPUT, INPUTS, OUTPUT, SKIP
@@ -189,7 +189,7 @@ class Layer(nn.Module):
 
     def forward(self, x, r):
         r = x + r
-        return torch.relu(self.lin(r)), r
+        return torch.relu(self.lin(input=r)), r  # (by keyword: for the inputs taps' keywords)
 
 
 class Stack(nn.Module):
@@ -238,15 +238,7 @@ def compiled_outer(
         ["inner"],
         [*(["inner.layers.*.input"] if inputs else []), *patterns],
     )
-    for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
-        modules[i].forward = taps.tapped_forward(
-            modules[i].forward,
-            i,
-            paths[i],
-            output=i in plan.sites,
-            input=i in plan.in_sites,
-            inputs=i in plan.ins_sites,
-        )
+    names = taps.tap_modules(modules, paths, plan)
     model.inner.forward = torch.compile(model.inner.forward, backend="inductor", dynamic=True)
     if warm is not None:
         with torch.inference_mode():
@@ -255,7 +247,7 @@ def compiled_outer(
     hooks = RunHooks(refuse=plan.refuse, refuse_at=plan.refuse_at)
     kernel = Interleaver(paths, batch, step_index=0, hooks=hooks, link=controllers.link)
     controllers.install(kernel)
-    taps.bind(kernel, controllers, plan.sites)
+    taps.bind(kernel, controllers, plan.sites, names)
     try:
         yield model, tree, kernel
     finally:
@@ -407,12 +399,62 @@ def test_compiled_inputs_taps_serve_every_argument(choice, monkeypatch):
     assert "taps=['model.layers.1.inputs']" in str(plan().refuse(layer, INPUTS))
 
 
-def test_an_inputs_tap_needs_positional_tensors():
+@pytest.mark.parametrize("choice", CHOICES)
+def test_compiled_inputs_taps_serve_keyword_arguments(choice, monkeypatch):
+    x = torch.randn(5, 8)
+
+    async def reader(m):  # rows 0..2: the keyword argument, as (args, kwargs) and as .input
+        args, kwargs = await m.inner.layers[1].lin.inputs
+        return args, {k: v.clone() for k, v in kwargs.items()}, (await m.inner.layers[1].lin.input).clone()
+
+    async def writer(m):  # rows 2..5: replaces it
+        _, kwargs = await m.inner.layers[1].lin.inputs
+        await m.inner.layers[1].lin.inputs.set(((), {"input": kwargs["input"] * 0 + 1}))
+
+    async def renamer(m):  # rows 2..5: a replacement with other keywords fails this block only
+        await m.inner.layers[2].lin.inputs.set(((), {"other": torch.ones(3, 8)}))
+
+    _, out, (a, b, c) = compiled_run(
+        choice,
+        monkeypatch,
+        [(reader, (0, 2)), (writer, (2, 5)), (renamer, (2, 5))],
+        x,
+        patterns=("inner.layers.*.lin.inputs",),
+    )
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert isinstance(c.error, WriteError) and "keys ['other'] differ from ['input']" in str(c.error)
+
+    torch.manual_seed(0)
+    ref_model = Outer().eval()
+    seen = []
+
+    def edit(mod, args, kwargs):  # in place, as at a tap: the layer's residual is the same tensor
+        seen.append(kwargs["input"].clone())
+        kwargs["input"][2:5] = 1
+
+    ref_model.inner.layers[1].lin.register_forward_pre_hook(edit, with_kwargs=True)
+    with torch.no_grad():
+        ref = ref_model(x)
+    torch.testing.assert_close(out, ref)
+    args, kwargs, first = a.result
+    assert args == () and list(kwargs) == ["input"]
+    torch.testing.assert_close(kwargs["input"], seen[0][0:2])
+    torch.testing.assert_close(first, seen[0][0:2])
+
+
+def test_an_inputs_tap_needs_tensor_arguments_it_can_name():
     forward = taps.tapped_forward(lambda x, scale=1.0: x * scale, 3, "mod.x", output=False, inputs=True)
     with pytest.raises(
-        TapError, match=r"mod\.x\.inputs cannot be a tap: the module is called with \(Tensor, scale=\)"
+        TapError, match=r"mod\.x\.inputs cannot be a tap: the module is called with \(Tensor, scale=float\)"
     ):
         forward(torch.ones(2), scale=2.0)
+
+    def extra(x, **more):
+        return x
+
+    forward = taps.tapped_forward(extra, 3, "mod.x", output=False, inputs=True)
+    with pytest.raises(TapError, match=r"called with \(Tensor, y=Tensor\)"):
+        forward(torch.ones(2), y=torch.ones(2))  # (a keyword its forward does not name)
 
 
 def test_an_output_that_cannot_be_a_tap_is_named():

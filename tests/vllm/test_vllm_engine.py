@@ -99,6 +99,51 @@ def test_steering_and_ablation_match_hf(vllm_engine, tiny):
         assert not torch.allclose(model(x).logits[:, -1], ref_steer, atol=1e-3)
 
 
+def test_keyword_inputs_of_attention_are_each_requests_own_rows(vllm_engine, tiny):
+    model, tok = tiny
+    short, long = "Hi", "The quick brown fox jumps"
+
+    async def read(m):
+        args, kwargs = await m.model.layers[1].self_attn.inputs
+        first = await m.model.layers[1].self_attn.input  # (the first keyword argument)
+        return args, {k: v.clone() for k, v in kwargs.items()}, first.clone(), (await m.logits).clone()
+
+    async def halve(m):
+        _, kwargs = await m.model.layers[1].self_attn.inputs
+        kwargs["hidden_states"] *= 0.5  # this request's rows only
+        return (await m.logits).clone()
+
+    with asyncpp.trace(vllm_engine) as t:
+        r = t.invoke(long, read)
+        h = t.invoke(short, halve)
+    args, kwargs, first, logits = r.result
+    seen = []
+    hooks = [
+        model.model.layers[1].input_layernorm.register_forward_hook(
+            lambda mod, a, o: seen.append(o[0].clone())
+        )
+    ]
+    with torch.no_grad():
+        plain = model(hf_ids(tok, long)).logits[:, -1]
+        hooks[0].remove()
+
+        def halve_ref(mod, a, kw):
+            return a, {**kw, "hidden_states": kw["hidden_states"] * 0.5}
+
+        hooks = [model.model.layers[1].self_attn.register_forward_pre_hook(halve_ref, with_kwargs=True)]
+        ref_halved = model(hf_ids(tok, short)).logits[:, -1]
+        hooks[0].remove()
+    assert args == () and list(kwargs) == ["positions", "hidden_states"]
+    n = hf_ids(tok, long).shape[1]
+    assert kwargs["positions"].tolist() == list(range(n))
+    torch.testing.assert_close(kwargs["hidden_states"], seen[0], rtol=0, atol=ATOL)
+    torch.testing.assert_close(first, kwargs["positions"])
+    torch.testing.assert_close(logits, plain, rtol=0, atol=ATOL)  # the other request's edit stayed out
+    torch.testing.assert_close(h.result, ref_halved, rtol=0, atol=ATOL)
+    with torch.no_grad():
+        assert not torch.allclose(model(hf_ids(tok, short)).logits[:, -1], ref_halved, atol=1e-3)
+
+
 def test_generation_steering_every_step_matches_hf(vllm_engine, tiny):
     model, tok = tiny
     torch.manual_seed(1)

@@ -10,7 +10,7 @@ waits on the site it counts the call and returns (a set lookup); otherwise the b
 at a controller, and a replaced value is copied into the graph's own tensors.
 
 Taps serve a module's output, its first argument (a pattern ending in ``.input``) or all its
-arguments (``.inputs``: positional tensors and Nones). Modules outside the compiled region (the top-level model, the
+arguments (``.inputs``: tensors and Nones, by position or keyword). Modules outside the compiled region (the top-level model, the
 logits processor, the sampler) keep their controllers and serve every kind of location, as in eager
 mode. The tap set is fixed when the engine starts: the default (every direct child of the compiled
 model, with each decoder layer of its layer list) plus the user's patterns.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -30,20 +31,25 @@ from ...kernel.errors import TapError
 from ...kernel.traps import INPUT, INPUTS, KIND_CODES, KIND_NAMES, OUTPUT, SKIP
 from ...locations.footprint import Footprint
 
-TAPS_VERSION = 3  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
+TAPS_VERSION = 4  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
 
 _LIB = torch.library.Library("asyncpp", "DEF")
 _LIB.define("tap(Tensor(a!)[] values, int site, int[] layout, int stage) -> ()")
 
 BARE = -1  # layout of an output that is one tensor; else one entry per tuple item: 1 tensor, 0 None
+# an inputs tap's layout: one entry per argument, positional ones first (0 None, 1 tensor), then
+# keyword ones: KW + 2 j (None) or KW + 2 j + 1 (tensor) for parameter j of the module's forward
+KW = 2
 
 
 class _Server:
     """The worker's interleaver as the taps see it (one per process: a worker serves one model)."""
 
-    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "visit_inputs", "after", "link")
+    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "visit_inputs", "after", "link", "names")
 
-    def __init__(self, kernel: Any, controllers: Any, sites: Iterable[int]):
+    def __init__(
+        self, kernel: Any, controllers: Any, sites: Iterable[int], names: dict[int, tuple[str, ...]]
+    ):
         fields = kernel.link_fields()
         self.hot_in, self.hot_out, self.counts = fields["hot_in"], fields["hot_out"], fields["counts"]
         self.visit_input = kernel.visit_input
@@ -51,6 +57,7 @@ class _Server:
         # per output tap, what its module's controller would do after the call (native: the fast path)
         self.after = {i: controllers.output_server(i) for i in sites}
         self.link = controllers.link
+        self.names = names  # per inputs tap, its forward's keyword names (the layout numbers them)
 
 
 _server: _Server | None = None
@@ -59,13 +66,15 @@ _server: _Server | None = None
 _native: Any = None
 
 
-def bind(kernel: Any, controllers: Any, sites: Iterable[int]) -> None:
+def bind(
+    kernel: Any, controllers: Any, sites: Iterable[int], names: dict[int, tuple[str, ...]] | None = None
+) -> None:
     """Serve this process's taps from ``kernel``, through ``controllers`` (the model's
     :class:`~asyncpp.native.controllers.Controllers`, whose link the kernel drives) at the output
-    taps ``sites``."""
+    taps ``sites``; ``names``: what :func:`tap_modules` returned."""
     global _server, _native
     unbind()
-    _server = server = _Server(kernel, controllers, sites)
+    _server = server = _Server(kernel, controllers, sites, names or {})
     if controllers.native:
         from ...native import load
 
@@ -147,8 +156,10 @@ def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None
             if new is not values[0]:
                 values[0].copy_(new)
             return
-        args = _assemble(values, layout)
-        _copy_into(values, server.visit_inputs(site, args), layout)
+        names = server.names.get(site, ())
+        args, kwargs = _assemble_call(values, layout, names)
+        new_args, new_kwargs = server.visit_inputs(site, args, kwargs)
+        _copy_call(values, layout, names, new_args, new_kwargs)
         return
     out = values[0] if layout[0] == BARE else _assemble(values, layout)
     new = server.after[site](out)
@@ -169,6 +180,34 @@ def _assemble(values: list[Tensor], layout: list[int]) -> tuple:
         return tuple(values)
     it = iter(values)
     return tuple([next(it) if code else None for code in layout])
+
+
+def _assemble_call(values: list[Tensor], layout: list[int], names: tuple[str, ...]) -> tuple[tuple, dict]:
+    """An inputs tap's call as (args, kwargs)."""
+    if layout[-1] < KW:  # positional arguments only
+        return _assemble(values, layout), {}
+    it = iter(values)
+    args, kwargs = [], {}
+    for code in layout:
+        x = next(it) if code & 1 else None
+        if code < KW:
+            args.append(x)
+        else:
+            kwargs[names[(code - KW) >> 1]] = x
+    return tuple(args), kwargs
+
+
+def _copy_call(
+    values: list[Tensor], layout: list[int], names: tuple[str, ...], args: tuple, kwargs: dict
+) -> None:
+    """Put replaced arguments into the graph's tensors (the kernel checked that they fit)."""
+    it = iter(values)
+    for i, code in enumerate(layout):
+        if code & 1:
+            old = next(it)
+            new = args[i] if code < KW else kwargs[names[(code - KW) >> 1]]
+            if new is not old:
+                old.copy_(new)
 
 
 def _copy_into(values: list[Tensor], new: Any, layout: list[int]) -> None:
@@ -206,16 +245,41 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
-def flatten_args(args: tuple, kwargs: dict, path: str) -> tuple[list[Tensor], list[int]]:
-    """The tensors of a module call's arguments and their layout (an inputs tap's arguments)."""
-    if not kwargs and args and all(x is None or isinstance(x, Tensor) for x in args):
-        tensors = [x for x in args if x is not None]
-        if tensors:
-            return tensors, [0 if x is None else 1 for x in args]
-    given = ", ".join(type(x).__name__ for x in args) + "".join(f", {k}=" for k in kwargs)
+def keyword_names(forward: Any) -> tuple[str, ...]:
+    """The parameters a call of ``forward`` may pass by keyword, in order."""
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def flatten_args(
+    args: tuple, kwargs: dict, path: str, names: tuple[str, ...] = ()
+) -> tuple[list[Tensor], list[int]]:
+    """The tensors of a module call's arguments and their layout (an inputs tap's arguments;
+    ``names``: :func:`keyword_names` of the module's forward)."""
+    tensors, layout, fits = [], [], True
+    for x in args:
+        if x is not None:
+            fits = fits and isinstance(x, Tensor)
+            tensors.append(x)
+        layout.append(0 if x is None else 1)
+    for key, x in kwargs.items():
+        if x is not None:
+            fits = fits and isinstance(x, Tensor)
+            tensors.append(x)
+        fits = fits and key in names
+        layout.append(KW + 2 * names.index(key) + (x is not None) if key in names else 0)
+    if fits and tensors:
+        return tensors, layout
+    given = ", ".join(
+        [*(type(x).__name__ for x in args), *(f"{k}={type(x).__name__}" for k, x in kwargs.items())]
+    )
     raise TapError(
         f"{path}.inputs cannot be a tap: the module is called with ({given}); an inputs tap serves "
-        f"calls with positional tensors (and Nones) only"
+        f"calls whose arguments are tensors (and Nones), by position or by a keyword its forward names"
     )
 
 
@@ -225,14 +289,17 @@ def tapped_forward(
     """``forward`` with the taps of module ``site`` on its output, its first argument and/or all
     its arguments (traced into the graph)."""
 
+    names = keyword_names(forward) if inputs else ()
+
     def tapped(*args: Any, **kwargs: Any) -> Any:
         if inputs:
-            values, layout = flatten_args(args, kwargs, path)
+            values, layout = flatten_args(args, kwargs, path, names)
             torch.ops.asyncpp.tap(values, site, layout, INPUTS)
         if input:
-            if not args or not isinstance(args[0], Tensor):
+            first = args[0] if args else next(iter(kwargs.values()), None)  # (as eager mode's .input)
+            if not isinstance(first, Tensor):
                 raise TapError(f"{path}.input cannot be a tap: the module's first argument is not a tensor")
-            torch.ops.asyncpp.tap([args[0]], site, [BARE], INPUT)
+            torch.ops.asyncpp.tap([first], site, [BARE], INPUT)
         out = forward(*args, **kwargs)
         if output:
             values, layout = flatten(out, path)
@@ -241,7 +308,28 @@ def tapped_forward(
 
     tapped.__wrapped__ = forward  # type: ignore[attr-defined]
     tapped.asyncpp_tap = site  # type: ignore[attr-defined]
+    tapped.asyncpp_names = names  # type: ignore[attr-defined]
     return tapped
+
+
+def tap_modules(modules: Sequence[Any], paths: Sequence[str], plan: TapPlan) -> dict[int, tuple[str, ...]]:
+    """Wrap the forward of each module ``plan`` taps (before vLLM traces the model); returns what
+    :func:`bind` needs: each inputs tap's keyword names."""
+    names = {}
+    for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
+        module = modules[i]
+        if module is not None:
+            module.forward = tapped_forward(
+                module.forward,
+                i,
+                paths[i],
+                output=i in plan.sites,
+                input=i in plan.in_sites,
+                inputs=i in plan.ins_sites,
+            )
+            if i in plan.ins_sites:
+                names[i] = module.forward.asyncpp_names
+    return names
 
 
 # --- which modules are taps ----------------------------------------------------------------------

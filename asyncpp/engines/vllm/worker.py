@@ -201,21 +201,11 @@ class WorkerSession:
         self._eager_ops: list[tuple[Any, Any, Any]] | None = None
         self._modules = modules
         controlled = modules
+        arg_names: dict[int, tuple[str, ...]] = {}
         if self.plan is not None:  # compiled: inside the graph, taps instead of controllers
             inside = self.plan.inside
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
-            plan = self.plan
-            for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
-                module = modules[i]
-                if module is not None:
-                    module.forward = taps.tapped_forward(
-                        module.forward,
-                        i,
-                        self.paths[i],
-                        output=i in plan.sites,
-                        input=i in plan.in_sites,
-                        inputs=i in plan.ins_sites,
-                    )
+            arg_names = taps.tap_modules(modules, self.paths, self.plan)
         self.controllers = Controllers(controlled)
         shard_out, shard_in = find_shardings(modules, self.paths)
         hooks = RunHooks(
@@ -247,7 +237,7 @@ class WorkerSession:
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
         if self.plan is not None:
-            taps.bind(kernel, self.controllers, self.plan.sites)
+            taps.bind(kernel, self.controllers, self.plan.sites, arg_names)
         kernel.activate_here()  # (the worker's thread: blocks find their kernel, as in a local run)
         if self.stage is not None:
             self._serve_points(model, runner.sampler, modules)
