@@ -611,7 +611,10 @@ class VllmEngine(Engine):
         receiver = self._receiver
         streams = [receiver.open(rid, spec.sink, i) for i, rid in enumerate(ids)]
         try:
-            return await self._requests(llm, prompts, params, ids, streams, spec.token_sink)
+            # one watch on the engine's life for the whole run (each costs a task and a wait)
+            return await self._unless_dead(
+                self._requests(llm, prompts, params, ids, streams, spec.token_sink)
+            )
         finally:
             for rid in ids:
                 receiver.drop(rid)
@@ -644,12 +647,16 @@ class VllmEngine(Engine):
             return final
 
         try:
-            finals = await self._unless_dead(
-                asyncio.gather(
+            if len(prompts) == 1:  # (no task of its own)
+                try:
+                    finals = [await one(0, prompts[0], params[0], ids[0])]
+                except Exception as err:
+                    finals = [err]
+            else:
+                finals = await asyncio.gather(
                     *(one(i, p, sp, r) for i, (p, sp, r) in enumerate(zip(prompts, params, ids))),
                     return_exceptions=True,
                 )
-            )
         except BaseException:
             await self.collect_early(ids)  # the caller gave up: the workers drop the requests
             raise
@@ -661,7 +668,8 @@ class VllmEngine(Engine):
         for final in finals:
             if _is_engine_dead(final):
                 raise await self._vllm_died(final)
-        outcomes = await self.settle(streams)
+        await self._receiver.ended(streams)  # (inside _run's watch on the engine's life)
+        outcomes = self._outcomes(streams)
         outcome = RunOutcome([])
         for i, final in enumerate(finals):
             o = InvokeOutcome()
@@ -681,6 +689,9 @@ class VllmEngine(Engine):
         end (which carries its block's outcome; the end of a request comes the engine step after its
         last output, without a round trip to the workers between steps)."""
         await self._unless_dead(self._receiver.ended(streams))
+        return self._outcomes(streams)
+
+    def _outcomes(self, streams: list[Any]) -> list[tuple[Any, BaseException | None]]:
         out = []
         for stream in streams:
             result, error = self._outcome(stream.outcomes)
