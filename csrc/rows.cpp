@@ -65,11 +65,11 @@ PyObject* narrow(PyObject* o, int64_t start, int64_t stop, int64_t batch) {
   }
   const bool is_tuple = PyTuple_CheckExact(o);
   if (!is_tuple && !PyList_CheckExact(o)) {
-    if (PyDict_CheckExact(o)) return narrow_dict(o, start, stop, batch);
     if (o == Py_None || PyLong_Check(o) || PyFloat_CheckExact(o) || PyUnicode_CheckExact(o) || !fallback) {
       Py_INCREF(o);
       return o;
     }
+    if (PyDict_CheckExact(o)) return narrow_dict(o, start, stop, batch);
     return PyObject_CallFunction(fallback, "OLLL", o, (long long)start, (long long)stop, (long long)batch);
   }
   const Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(o) : PyList_GET_SIZE(o);

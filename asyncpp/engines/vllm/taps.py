@@ -200,7 +200,8 @@ def _assemble_call(values: list[Tensor], layout: list[int], names: tuple[str, ..
 def _copy_call(
     values: list[Tensor], layout: list[int], names: tuple[str, ...], args: tuple, kwargs: dict
 ) -> None:
-    """Put replaced arguments into the graph's tensors (the kernel checked that they fit)."""
+    """Put replaced arguments (or a tuple output's items: positional codes only) into the graph's
+    tensors (the kernel checked that they fit)."""
     it = iter(values)
     for i, code in enumerate(layout):
         if code & 1:
@@ -217,12 +218,7 @@ def _copy_into(values: list[Tensor], new: Any, layout: list[int]) -> None:
         if new is not values[0]:
             values[0].copy_(new)
         return
-    it = iter(values)
-    for code, item in zip(layout, new, strict=True):
-        if code:
-            old = next(it)
-            if item is not old:
-                old.copy_(item)
+    _copy_call(values, layout, (), new, {})
 
 
 def flatten(out: Any, path: str) -> tuple[list[Tensor], list[int]]:
@@ -260,20 +256,18 @@ def flatten_args(
 ) -> tuple[list[Tensor], list[int]]:
     """The tensors of a module call's arguments and their layout (an inputs tap's arguments;
     ``names``: :func:`keyword_names` of the module's forward)."""
-    tensors, layout, fits = [], [], True
-    for x in args:
+    items = [(0, x) for x in args]
+    items += [(KW + 2 * names.index(k) if k in names else None, x) for k, x in kwargs.items()]
+    tensors, layout = [], []
+    for base, x in items:
+        if base is None or not (x is None or isinstance(x, Tensor)):
+            break
         if x is not None:
-            fits = fits and isinstance(x, Tensor)
             tensors.append(x)
-        layout.append(0 if x is None else 1)
-    for key, x in kwargs.items():
-        if x is not None:
-            fits = fits and isinstance(x, Tensor)
-            tensors.append(x)
-        fits = fits and key in names
-        layout.append(KW + 2 * names.index(key) + (x is not None) if key in names else 0)
-    if fits and tensors:
-        return tensors, layout
+        layout.append(base + (x is not None))
+    else:
+        if tensors:
+            return tensors, layout
     given = ", ".join(
         [*(type(x).__name__ for x in args), *(f"{k}={type(x).__name__}" for k, x in kwargs.items())]
     )
@@ -284,12 +278,19 @@ def flatten_args(
 
 
 def tapped_forward(
-    forward: Any, site: int, path: str, output: bool = True, input: bool = False, inputs: bool = False
+    forward: Any,
+    site: int,
+    path: str,
+    output: bool = True,
+    input: bool = False,
+    inputs: bool = False,
+    names: tuple[str, ...] | None = None,
 ) -> Any:
     """``forward`` with the taps of module ``site`` on its output, its first argument and/or all
     its arguments (traced into the graph)."""
 
-    names = keyword_names(forward) if inputs else ()
+    if names is None:
+        names = keyword_names(forward) if inputs else ()
 
     def tapped(*args: Any, **kwargs: Any) -> Any:
         if inputs:
@@ -308,7 +309,6 @@ def tapped_forward(
 
     tapped.__wrapped__ = forward  # type: ignore[attr-defined]
     tapped.asyncpp_tap = site  # type: ignore[attr-defined]
-    tapped.asyncpp_names = names  # type: ignore[attr-defined]
     return tapped
 
 
@@ -319,6 +319,8 @@ def tap_modules(modules: Sequence[Any], paths: Sequence[str], plan: TapPlan) -> 
     for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
         module = modules[i]
         if module is not None:
+            if i in plan.ins_sites:
+                names[i] = keyword_names(module.forward)
             module.forward = tapped_forward(
                 module.forward,
                 i,
@@ -326,9 +328,8 @@ def tap_modules(modules: Sequence[Any], paths: Sequence[str], plan: TapPlan) -> 
                 output=i in plan.sites,
                 input=i in plan.in_sites,
                 inputs=i in plan.ins_sites,
+                names=names.get(i),
             )
-            if i in plan.ins_sites:
-                names[i] = module.forward.asyncpp_names
     return names
 
 
