@@ -10,7 +10,6 @@ from __future__ import annotations
 PARKED = object()  # the block parked: it is resumed later (by a visit, a step, a slot, a pull)
 RUN_BACKWARD = object()  # the block parked and its backward pass is to run now (kernel.grad)
 MISS = object()  # an intercept hook declined to serve a location: the kernel parks the block as usual
-END = object()  # sent to a step gate when generation has ended
 NOTHING = object()  # "no value" where None is a value
 
 
@@ -23,4 +22,4 @@ class Throw:
         self.exc = exc
 
 
-__all__ = ["END", "MISS", "NOTHING", "PARKED", "RUN_BACKWARD", "Throw"]
+__all__ = ["MISS", "NOTHING", "PARKED", "RUN_BACKWARD", "Throw"]

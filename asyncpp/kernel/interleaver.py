@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from . import batching, budget, grad, messages, traps, visits
-from .answers import END, MISS, NOTHING, PARKED, RUN_BACKWARD, Throw
+from .answers import MISS, NOTHING, PARKED, RUN_BACKWARD, Throw
 from .block import Block, GatherState, Wait
 from .errors import ForeignAwaitError, InternalError, WriteError
 from .hooks import NO_HOOKS, RunHooks
@@ -392,13 +392,14 @@ class Interleaver:
 
     def _on_step(self, block: Block, gate):
         if block.ended:
-            return END
+            return Throw(StopAsyncIteration())
         current = block.req_step  # the block's request's step under way (-1: none yet)
         target = gate.steps.first_at_or_after(max(gate.after, current, 0))
         if target is None:
-            return END
+            return Throw(StopAsyncIteration())
         if target == current:
             block.step = self.step  # that step is under way: enter it at once
+            gate.after = target + 1
             return target
         self.gates.append((block, gate, target))
         return PARKED
@@ -636,9 +637,10 @@ class Interleaver:
         due.sort(key=lambda e: e[0].order)
         link = self.link
         native = link is not None and link.fast and self.current is None  # (as the fast path would)
-        for block, _, target in due:
+        for block, gate, target in due:
             if not block.done:
                 block.step = self.step
+                gate.after = target + 1
                 if native:
                     link.resume(block, target)
                 else:
@@ -680,7 +682,7 @@ class Interleaver:
                 self.gates.append(entry)
         for block, _, _ in sorted((e for e in gates if id(e[0]) in mine), key=lambda e: e[0].order):
             if not block.done:
-                self._resume(block, END, None)
+                self._resume(block, None, StopAsyncIteration())  # the step loop ends
         self.serve()
         for _ in range(3):  # a block may catch the error and wait again; give up after a few
             if all(b.done for b in blocks):
@@ -773,4 +775,4 @@ _HANDLERS: dict[int, Callable[[Interleaver, Block, Any], Any]] = {
 
 _KERNEL_FILES = frozenset((__file__, traps.__file__, grad.__file__, budget.__file__))
 
-__all__ = ["Block", "END", "Interleaver", "InternalError", "MISS", "PARKED", "RunHooks", "Throw"]
+__all__ = ["Block", "Interleaver", "InternalError", "MISS", "PARKED", "RunHooks", "Throw"]

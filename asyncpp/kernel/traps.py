@@ -74,13 +74,17 @@ class Write:
 
 
 class StepGate:
-    """Wait until the model starts generation step ``>= after``; the step loop's ``__anext__``."""
+    """Wait until the model starts generation step ``>= after``: a step loop's next iteration.
+
+    One gate serves every iteration of its loop: the interleaver resumes the block with the step
+    number the gate opens at and sets ``after`` past it, or throws ``StopAsyncIteration`` (the
+    loop ends) once generation has ended or the selection is used up."""
 
     TRAP = STEP
     __slots__ = ("steps", "after", "every")
 
-    def __init__(self, steps, after: int, every: bool = False):
-        self.steps = steps  # the selection iterator that owns this gate
+    def __init__(self, steps, after: int = 0, every: bool = False):
+        self.steps = steps  # the selection (``first_at_or_after(step)``) that owns this gate
         self.after = after  # first step number this gate may open on
         self.every = every  # the loop selects every step (the native fast path parks these)
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-from ..kernel.interleaver import END
 from ..kernel.traps import StepGate
 
 
 class Steps:
     """An async iterator over selected generation step numbers (0 is the prompt's forward)."""
 
-    __slots__ = ("_select", "_after", "_done")
+    __slots__ = ("_select", "_gate")
 
     def __init__(self, select: int | range | Iterable[int] | None = None):
         if select is None or isinstance(select, range):
@@ -30,8 +29,7 @@ class Steps:
             self._select = sorted(set(int(s) for s in select))
         if self._select is not None and any(s < 0 for s in self._select[:1]):
             raise ValueError("steps(): step numbers start at 0")
-        self._after = 0
-        self._done = False
+        self._gate = StepGate(self, 0, self._select is None)
 
     def first_at_or_after(self, step: int) -> int | None:
         """The first selected step number ``>= step``, or None when the selection is used up."""
@@ -50,13 +48,10 @@ class Steps:
     def __aiter__(self) -> Steps:
         return self
 
-    async def __anext__(self) -> int:
-        if self._done or self.first_at_or_after(self._after) is None:
-            self._done = True
+    def __anext__(self) -> StepGate:
+        # no coroutine per iteration: the loop awaits the gate itself, which the interleaver opens
+        # with the step number (moving the gate past it) or ends with StopAsyncIteration
+        gate = self._gate
+        if self._select is not None and self.first_at_or_after(gate.after) is None:
             raise StopAsyncIteration
-        step = await StepGate(self, self._after, self._select is None)
-        if step is END:
-            self._done = True
-            raise StopAsyncIteration
-        self._after = step + 1
-        return step
+        return gate

@@ -129,3 +129,39 @@ def test_step_loops_park_natively_with_the_same_values(tiny, engine, monkeypatch
         assert len(calls) >= 3 * 6  # every iteration, and the loops' ends
     else:
         assert sorted(calls) == [0, 0, 0]  # each loop's first iteration only
+
+
+async def step_selections(m):
+    """Each kind of selection, a loop broken off and taken up again, and loops after the end."""
+    seen = {}
+    seen["range"] = [s async for s in m.steps(range(1, 6, 2))]  # ends after 5: no wait for 6
+    seen["list"] = [s async for s in m.steps([6, 7])]
+    every = m.steps()
+    async for s in every:
+        if s == 9:
+            break
+    seen["broken"] = s
+    seen["resumed"] = [s async for s in every]  # on from the step after the last it gave
+    seen["again"] = [s async for s in every]  # that loop has ended
+    seen["fresh"] = [s async for s in m.steps()]  # so has generation
+    async for s in m.steps():
+        seen["late"] = s  # never runs
+    seen["int"] = [s async for s in m.steps(3)]  # long passed
+    return seen
+
+
+def test_step_selections_and_the_ends_of_step_loops(engine):
+    """``m.steps()`` with a range, a list and an int yields the selected steps; a loop broken off
+    and iterated again goes on after the last step it gave; once generation has ended every loop ends at
+    once and the code after it runs."""
+    with asyncpp.generate(engine, max_new_tokens=12) as t:
+        h = t.invoke(A, step_selections)
+    assert h.result == {
+        "range": [1, 3, 5],
+        "list": [6, 7],
+        "broken": 9,
+        "resumed": [10, 11],
+        "again": [],
+        "fresh": [],
+        "int": [],
+    }
