@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=200, help="py-spy's samples per second")
     ap.add_argument("--workloads", default="plain,empty,reads,steer")
     ap.add_argument("--top", type=int, default=8, help="asyncpp frames listed per workload")
+    ap.add_argument("--raw", type=Path, help="keep py-spy's raw stacks in this folder (<workload>.txt)")
     ap.add_argument(
         "--write", action="store_true", help=f"replace the section {SECTION!r} of docs/performance.md"
     )
@@ -167,9 +168,11 @@ def main() -> None:
     try:
         pid = int(engine.worker_stats()[0]["pid"])
         with tempfile.TemporaryDirectory() as tmp:
+            folder = args.raw or Path(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
             for w in workloads:
-                run = profile(engine, pid, w, args, Path(tmp) / f"{w}.txt")
-                n, owners, inner = classify(Path(tmp) / f"{w}.txt", block_names)
+                run = profile(engine, pid, w, args, folder / f"{w}.txt")
+                n, owners, inner = classify(folder / f"{w}.txt", block_names)
                 cells = [share(owners[o], n) for o in OWNERS]
                 rows.append([LABEL[w], str(n), *cells, f"{run['tokens'] / run['wall']:.0f}"])
                 print(
