@@ -232,8 +232,8 @@ class WorkerSession:
             self.stage.attach(kernel)
         self.kernel = kernel
         self.requests: dict[str, _Request] = {}  # vLLM request id -> request with a block
+        self.stepping: dict[str, _Request] = {}  # those whose block is yet to start or to return
         self.by_aid: dict[str, str] = {}  # caller id -> vLLM request id
-        self.scheduled: dict[str, int] = {}
         self._order = 0
         self.controllers.install(kernel)  # for good: this process runs nothing else
         if self.plan is not None:
@@ -354,14 +354,15 @@ class WorkerSession:
             aid = str(extra.get(ID_KEY, new.req_id))
             eager = self.plan is not None and bool(extra.get(EAGER_KEY))
             live = bool(extra.get(LIVE_KEY))
-            self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)), eager, live)
+            req = self.requests[new.req_id] = _Request(aid, payload, int(extra.get(NUM_KEY, 0)), eager, live)
+            self.stepping[new.req_id] = req
             self.eager_requests += eager
             self.live += live
             self.by_aid[aid] = new.req_id
             prompt = len(new.prompt_token_ids or ())
             scheduled = so.num_scheduled_tokens.get(new.req_id, 0)
             if new.num_computed_tokens + scheduled < prompt:
-                self.requests[new.req_id].error = RuntimeError(
+                req.error = RuntimeError(
                     f"vLLM scheduled only {scheduled} of the prompt's {prompt} tokens in one step; "
                     f"asyncpp presents a prompt to a block whole, so this request's block was not run. "
                     f"Keep chunked prefill off, long_prefill_token_threshold at 0 and "
@@ -406,25 +407,34 @@ class WorkerSession:
         n = batch.num_reqs
         starts = runner.query_start_loc.np[: n + 1].tolist()  # (Python ints: numpy's cost per item)
         self.kernel.set_batch(starts[n], n)
-        requests = self.requests
         active: list[Block] = []
-        if not requests:  # plain requests only: nothing to place
+        stepping = self.stepping
+        if not stepping:  # plain requests, or blocks that have all returned: nothing to place
             return active
-        for i, rid in enumerate(batch.req_ids[:n]):
-            req = requests.get(rid)
-            if req is None or req.error is not None:
+        index = batch.req_id_to_index
+        over = []
+        for rid, req in stepping.items():  # (in the order the requests came: the same on every rank)
+            i = index.get(rid)
+            if i is None or i >= n:  # not in this step
                 continue
             rows = (starts[i], starts[i + 1])
             block = req.block
+            if req.error is not None:
+                over.append(rid)
+                continue
             if block is None:
                 block = self._start(req, rows, (i, i + 1))
                 if block is None:
+                    over.append(rid)
                     continue
             elif block.done:  # (it returned: nothing of it runs again)
+                over.append(rid)
                 continue
             else:
                 block.rows, block.req_rows = rows, (i, i + 1)
             active.append(block)
+        for rid in over:
+            del stepping[rid]
         return active
 
     def _start(self, req: _Request, rows: tuple[int, int], req_rows: tuple[int, int]) -> Block | None:
@@ -507,6 +517,7 @@ class WorkerSession:
 
     def _finish_block(self, rid: str) -> bytes:
         req = self.requests.pop(rid)
+        self.stepping.pop(rid, None)
         self.eager_requests -= req.eager
         self.live -= req.live
         self.by_aid.pop(req.aid, None)
