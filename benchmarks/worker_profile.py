@@ -2,11 +2,12 @@
 code (issue 14).
 
 The throughput benchmark (``vllm_stock.py``) says how much a workload costs over stock vLLM; this one
-says whose cost it is. One asyncpp engine (the embedded tiny model by default, float32, prefix
-caching off, as ``vllm_stock.py`` makes it) runs the workloads of ``vllm_stock.py`` in turn, with its blocks, prompts and requests (batches of B
-requests, B = 32 by default, 64 new tokens each: plain requests on the engine's own ``AsyncLLM``, or
-one ``asyncpp.generate`` trace per request), back to back for ``--seconds`` each while
-`py-spy <https://github.com/benfred/py-spy>`_ samples the worker process (``--native``, 200 Hz).
+says whose cost it is. One asyncpp engine (the embedded tiny model, float32, as ``vllm_stock.py``
+makes it) runs the workloads of ``vllm_stock.py`` in turn, with its blocks, prompts and requests
+(batches of B requests, B = 32 by default, 64 new tokens each: plain requests on the engine's own
+``AsyncLLM``, or one ``asyncpp.generate`` trace per request), back to back for ``--seconds`` each
+while `py-spy <https://github.com/benfred/py-spy>`_ samples the worker process (``--native``,
+200 Hz by default).
 
 Each sample taken inside the worker's step calls (``execute_model``, ``sample_tokens``) is given to
 the deepest owner on its stack, read from the leaf up:
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import shutil
@@ -103,10 +105,10 @@ def share(k: int, n: int) -> str:
     return f"{100 * p:.1f} % [{100 * max(p - half, 0):.1f}, {100 * min(p + half, 1):.1f}]"
 
 
-def profile(engine: Any, pid: int, workload: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Run ``workload`` in batches while py-spy samples the worker; the batches' token count."""
+def profile(engine: Any, pid: int, workload: str, args: argparse.Namespace, out: Path) -> float:
+    """Run ``workload`` in batches while py-spy samples the worker; the tokens generated per second."""
     live = SimpleNamespace(engine=engine, llm=engine.async_llm, loop=engine.loop)
-    rounds = iter(range(10**9))
+    rounds = itertools.count()
 
     async def batch() -> int:
         ps = make_prompts(args.batch, 0, next(rounds))
@@ -121,14 +123,13 @@ def profile(engine: Any, pid: int, workload: str, args: argparse.Namespace, out:
             stderr=subprocess.PIPE,
             text=True,
         )
-        tokens, batches, t0 = 0, 0, time.perf_counter()
+        tokens, t0 = 0, time.perf_counter()
         while spy.poll() is None:
             tokens += runner.run(batch())
-            batches += 1
         wall = time.perf_counter() - t0
     if spy.returncode != 0 or not out.exists():
         raise SystemExit(f"py-spy failed on the worker (pid {pid}): {spy.stderr.read().strip()}")
-    return {"tokens": tokens, "batches": batches, "wall": wall}
+    return tokens / wall
 
 
 def main() -> None:
@@ -171,10 +172,10 @@ def main() -> None:
             folder = args.raw or Path(tmp)
             folder.mkdir(parents=True, exist_ok=True)
             for w in workloads:
-                run = profile(engine, pid, w, args, folder / f"{w}.txt")
+                tok_s = profile(engine, pid, w, args, folder / f"{w}.txt")
                 n, owners, inner = classify(folder / f"{w}.txt", block_names)
                 cells = [share(owners[o], n) for o in OWNERS]
-                rows.append([LABEL[w], str(n), *cells, f"{run['tokens'] / run['wall']:.0f}"])
+                rows.append([LABEL[w], str(n), *cells, f"{tok_s:.0f}"])
                 print(
                     f"{LABEL[w]}: {n} samples in steps; "
                     + ", ".join(f"{o} {c}" for o, c in zip(OWNERS, cells))

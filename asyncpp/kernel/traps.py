@@ -83,7 +83,7 @@ class StepGate:
     TRAP = STEP
     __slots__ = ("steps", "after", "every")
 
-    def __init__(self, steps, after: int = 0, every: bool = False):
+    def __init__(self, steps, after: int, every: bool = False):
         self.steps = steps  # the selection (``first_at_or_after(step)``) that owns this gate
         self.after = after  # first step number this gate may open on
         self.every = every  # the loop selects every step (the native fast path parks these)

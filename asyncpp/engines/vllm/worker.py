@@ -417,11 +417,11 @@ class WorkerSession:
             i = index.get(rid)
             if i is None or i >= n:  # not in this step
                 continue
-            rows = (starts[i], starts[i + 1])
-            block = req.block
             if req.error is not None:
                 over.append(rid)
                 continue
+            rows = (starts[i], starts[i + 1])
+            block = req.block
             if block is None:
                 block = self._start(req, rows, (i, i + 1))
                 if block is None:
