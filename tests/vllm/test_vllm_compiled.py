@@ -4,8 +4,8 @@ The rest of the vLLM tests run on eager and on compiled engines alike (``helpers
 module checks the compiled mode's own promises on an engine with the default tap set: an await of a
 location that is not a tap fails at invoke when the block's code is sure to make it, else at the
 user's line, with a message naming the location, the engine's taps and the option that adds it, and
-fails that request only; patterns that name nothing
-fail the engine's start; a second engine of the same model loads vLLM's compiled graph from its
+fails that request only; patterns that name nothing, and modules whose calls cannot be tapped,
+fail the engine's start with asyncpp's error; a second engine of the same model loads vLLM's compiled graph from its
 cache; greedy tokens equal a stock vLLM engine's (vLLM's own worker, compiled too).
 """
 
@@ -128,6 +128,22 @@ def test_a_tap_pattern_that_names_nothing_fails_the_start():
         ValueError, match=r"'model\.layers\.\*\.mpl' matches no module inside vLLM's compiled model"
     ):
         asyncpp.VllmEngine(dtype="float32", mode="compiled", taps=["model.layers.*.mpl"])
+
+
+def test_a_module_whose_calls_cannot_be_tapped_fails_the_start_with_the_tap_error():
+    # vLLM runs Phi through its Transformers backend, whose decoder layers are called with
+    # Hugging Face's arguments (a bool, a tuple): no inputs tap can serve those calls. The check runs
+    # in the worker while vLLM traces the model; the caller gets the TapError, not vLLM's error.
+    from asyncpp.models.architectures import tiny_checkpoint
+
+    with pytest.raises(asyncpp.TapError) as info:
+        asyncpp.VllmEngine(
+            str(tiny_checkpoint("phi")), dtype="float32", mode="compiled", taps=["model.layers.0.inputs"]
+        )
+    msg = str(info.value)
+    assert msg.startswith("model.layers.0.inputs cannot be a tap: the module is called with (Tensor, ")
+    assert "use_cache=bool" in msg and "position_embeddings=tuple" in msg
+    assert "Engine core initialization failed" in str(info.value.__cause__)  # vLLM's own, kept
 
 
 def test_modes_and_options_are_checked():

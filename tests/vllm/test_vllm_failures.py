@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -150,3 +151,6 @@ def test_a_script_that_makes_its_engine_without_a_main_guard_is_told_to_add_one(
     # the child vLLM spawned, which ran the script again, says what to do, naming the script
     assert 'under `if __name__ == "__main__":`' in out, out[-3000:]
     assert f"while {script} was imported to start one of vLLM's processes" in out, out[-3000:]
+    # and the script's own process raises that error, not vLLM's "engine core failed"
+    raised = [line for line in run.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
+    assert raised and raised[-1].startswith("asyncpp.kernel.errors.AsyncppError: asyncpp.VllmEngine(...)")

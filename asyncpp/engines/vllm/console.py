@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...kernel.errors import AsyncppError
-from . import lifeline
+from . import lifeline, start_errors
 
 LOGS_ENV = "ASYNCPP_VLLM_LOGS"  # "1": show vLLM's own logs (VllmEngine(vllm_logs=None) reads it)
 
@@ -54,12 +54,14 @@ def refuse_in_spawned_child(what: str) -> None:
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
         script = getattr(main, "__file__", None) or "the script"
-        raise AsyncppError(
+        err = AsyncppError(
             f"{what} was called while {script} was imported to start one of vLLM's processes: vLLM "
             f"starts them with 'spawn', which runs the main script again in each. Make the engine "
             f'(and run the traces) under `if __name__ == "__main__":` in {script}; blocks and '
             f"helpers can stay at module level"
         )
+        start_errors.report(err)  # (the engine that is starting raises it in the script's process)
+        raise err
 
 
 def child_env(logs: bool, workers: int = 1) -> dict[str, str]:

@@ -36,7 +36,7 @@ from ...pp.pulls import PullError
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import await_future
 from ..inputs import InputError, token_rows
-from . import console, lifeline
+from . import console, lifeline, start_errors
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .links import LinkServer
 from .options import engine_options, local_workers, nodes, size
@@ -144,13 +144,21 @@ class VllmEngine(Engine):
         start = None
         try:
             with (
+                start_errors.collecting() as reported,
                 console.starting_env(self.vllm_logs, local_workers(options)),
                 quiet.redirect() if quiet else contextlib.nullcontext(),
             ):
                 # started inside: vLLM reads its logging level from the environment as it makes
                 # the engine's config, at once when vLLM is already imported
                 start = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
-                self._llm, entries, procs = self._starting(start, before)
+                try:
+                    self._llm, entries, procs = self._starting(start, before)
+                except Exception as e:
+                    ours = reported()  # asyncpp's error in one of vLLM's processes, if that was it
+                    if ours is None:
+                        raise
+                    ours.add_note("(raised in one of vLLM's processes while the engine started)")
+                    raise ours from e
         except BaseException as e:
             progress.done("failed after")
             if start is not None and not isinstance(e, Exception):  # interrupted: vLLM's start

@@ -48,6 +48,7 @@ from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .links import hold_link
 from .packing import pack_outcome, unpack_block
+from .start_errors import reported
 from .stream import Sender
 from .tensor_parallel import find_shardings
 from .views import PRESENTERS, head_of
@@ -67,6 +68,7 @@ class AsyncppWorker(CPUWorker):
         if multiproc:
             lifeline.watch_parent()
 
+    @reported
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         _quiet_warnings()
         out = super().load_model(*args, **kwargs)
@@ -74,6 +76,7 @@ class AsyncppWorker(CPUWorker):
         self.asyncpp = WorkerSession(self.model_runner)
         return out
 
+    @reported
     def determine_available_memory(self) -> int:
         # on a compiled engine this first forward traces and compiles the model (vLLM's warm-up)
         start = time.perf_counter()
@@ -84,6 +87,10 @@ class AsyncppWorker(CPUWorker):
             self.asyncpp.warmup_seconds = time.perf_counter() - start
             hits, misses = (b - a for a, b in zip(counts, _compile_cache_counts(), strict=True))
             self.asyncpp.compile_cached = hits > 0 and misses == 0
+
+    @reported
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        return super().compile_or_warm_up_model(*args, **kwargs)
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         session = self.asyncpp
