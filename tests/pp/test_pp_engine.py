@@ -327,3 +327,40 @@ def test_only_the_selected_part_of_a_remote_value_crosses(one_stage, two_stages)
     assert whole == halves >= 2 * 3 * row  # both tensors, every token of the prompt
     assert halves_wire == halves + 2 * reply_overhead
     assert whole_wire == whole + 96 + 80  # once: one reply, the shape words of a tuple of two
+
+
+GLOO_SCRIPT = """
+import asyncpp
+
+
+async def read(m):
+    await m.model.layers[3].output  # stage 1's
+    return float((await m.model.layers[0].output)[0][-1].sum())  # stage 0's, pulled over gloo
+
+
+if __name__ == "__main__":
+    with asyncpp.VllmEngine(dtype="float32", mode="eager", pipeline_parallel_size=2) as engine:
+        with asyncpp.trace(engine) as t:
+            h = t.invoke("The quick brown fox", read)
+        print("RESULT", h.result, flush=True)
+    print("CLOSED", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_on_the_gloo_pull_wire_pulls_and_closes_cleanly(tmp_path):
+    """With ``ASYNCPP_PP_WIRE=gloo`` the stages pull over the gloo group; at close each worker ends
+    its pull service before vLLM destroys the process groups (a listener left waiting in a gloo
+    receive then aborted the worker: "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "gloo_wire.py"
+    script.write_text(GLOO_SCRIPT)
+    env = {**os.environ, "ASYNCPP_PP_WIRE": "gloo", "ASYNCPP_VLLM_LOGS": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "RESULT" in run.stdout and "CLOSED" in run.stdout, out[-3000:]
+    assert "terminate called" not in out, out[-3000:]
+    assert "all workers exited gracefully" in out, out[-3000:]  # vLLM's shutdown did not kill them

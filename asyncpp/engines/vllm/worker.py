@@ -55,6 +55,8 @@ from .views import PRESENTERS, head_of
 
 log = logging.getLogger("asyncpp.vllm")
 
+CLOSE_GRACE_S = 3.0  # how long a closing stage waits for its peers' goodbyes (vLLM's shutdown waits)
+
 
 class AsyncppWorker(CPUWorker):
     """vLLM's CPU worker with asyncpp's controllers and interleaver."""
@@ -75,6 +77,12 @@ class AsyncppWorker(CPUWorker):
         _stack_dumps()
         self.asyncpp = WorkerSession(self.model_runner)
         return out
+
+    def shutdown(self) -> None:
+        session = getattr(self, "asyncpp", None)
+        if session is not None:
+            session.close()
+        super().shutdown()
 
     @reported
     def determine_available_memory(self) -> int:
@@ -563,6 +571,16 @@ class WorkerSession:
         # this stage is done with the request: its buffers go once every stage has said the same
         stage.service.release(req.num)
         return pack_outcome(result, error)
+
+    def close(self) -> None:
+        """vLLM shuts the worker down: end a pipeline stage's pull service first, while its peers
+        are still there for the goodbyes (its listeners must not be left waiting in a receive when
+        vLLM destroys the process groups: on the gloo wire that aborts the process)."""
+        if self.stage is not None:
+            service = self.stage.service
+            service.close_grace_s = min(service.close_grace_s, CLOSE_GRACE_S)
+            service.close()
+            self.stage.close()
 
     def collect(self, ids: list[str]) -> None:
         """Finish these requests now. A request this worker does not hold (vLLM refused it, or it
