@@ -80,9 +80,11 @@ class AsyncppWorker(CPUWorker):
 
     def shutdown(self) -> None:
         session = getattr(self, "asyncpp", None)
-        if session is not None:
-            session.close()
-        super().shutdown()
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            super().shutdown()
 
     @reported
     def determine_available_memory(self) -> int:
