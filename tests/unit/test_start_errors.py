@@ -14,9 +14,12 @@ from asyncpp.engines.vllm import start_errors, taps
 from asyncpp.kernel.errors import AsyncppError, TapError
 
 
+_GATE = torch.nn.ReLU()  # (a module argument: no inputs tap carries it)
+
+
 def _traced_tap_failure() -> BaseException:
-    forward = taps.tapped_forward(lambda x, flag: x + 1, 7, "model.layers.0", output=False, inputs=True)
-    compiled = torch.compile(lambda x: forward(x, flag=True), fullgraph=True, backend="eager")
+    forward = taps.tapped_forward(lambda x, gate: gate(x), 7, "model.layers.0", output=False, inputs=True)
+    compiled = torch.compile(lambda x: forward(x, gate=_GATE), fullgraph=True, backend="eager")
     try:
         compiled(torch.ones(2))
     except BaseException as err:
@@ -28,7 +31,7 @@ def test_a_tap_error_raised_while_dynamo_traces_is_found_with_its_message():
     err = _traced_tap_failure()
     assert not isinstance(err, TapError)  # dynamo's error, with its own stand-in as the cause
     with pytest.raises(TapError) as direct:
-        taps.flatten_args((torch.ones(2),), {"flag": True}, "model.layers.0", ("x", "flag"))
+        taps.flatten_args((torch.ones(2),), {"gate": _GATE}, "model.layers.0", ("x", "gate"))
     assert start_errors.asyncpp_error_in(err) == ("TapError", str(direct.value))
 
 

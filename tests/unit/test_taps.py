@@ -4,6 +4,7 @@ tap operator itself in a model compiled by torch.compile (inductor), as vLLM com
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import re
 
@@ -223,14 +224,15 @@ def compiled_outer(
     inputs: bool = False,
     warm: torch.Tensor | None = None,
     patterns: tuple[str, ...] = (),
+    make: type[nn.Module] | None = None,
 ):
-    """An ``Outer`` whose stack is compiled by inductor with its layers tapped, served by a real
+    """An ``Outer`` (or ``make()``) whose stack is compiled by inductor with its layers tapped, served by a real
     interleaver through real controllers (``choice``): yields the model, its tree and the kernel.
     ``warm``: an input the model runs on first, before the taps are bound (the graph is compiled
     then; else at the first forward the caller runs, with the taps bound)."""
     monkeypatch.setenv("ASYNCPP_CONTROLLERS", choice)
     torch.manual_seed(0)
-    model = Outer().eval()
+    model = (make or Outer)().eval()
     tree, modules, paths = build_tree(model, {})
     plan = taps.TapPlan(
         paths,
@@ -243,6 +245,8 @@ def compiled_outer(
     if warm is not None:
         with torch.inference_mode():
             model(warm)
+        for (i, kind), why in taps.dropped().items():  # (as vLLM's worker does after the trace)
+            plan.drop(i, kind, why)
     controllers = Controllers([m if i not in plan.inside else None for i, m in enumerate(modules)])
     hooks = RunHooks(refuse=plan.refuse, refuse_at=plan.refuse_at)
     kernel = Interleaver(paths, batch, step_index=0, hooks=hooks, link=controllers.link)
@@ -442,19 +446,150 @@ def test_compiled_inputs_taps_serve_keyword_arguments(choice, monkeypatch):
     torch.testing.assert_close(first, seen[0][0:2])
 
 
-def test_an_inputs_tap_needs_tensor_arguments_it_can_name():
-    forward = taps.tapped_forward(lambda x, scale=1.0: x * scale, 3, "mod.x", output=False, inputs=True)
-    with pytest.raises(
-        TapError, match=r"mod\.x\.inputs cannot be a tap: the module is called with \(Tensor, scale=float\)"
-    ):
-        forward(torch.ones(2), scale=2.0)
+class Order(enum.IntEnum):
+    FIRST = 1
 
-    def extra(x, **more):
+
+def test_an_inputs_tap_needs_arguments_it_can_carry():
+    forward = taps.tapped_forward(lambda x, m=None: x, 3, "mod.x", output=False, inputs=True)
+    with pytest.raises(
+        TapError, match=r"mod\.x\.inputs cannot be a tap: the module is called with \(Tensor, m=ReLU\)"
+    ):
+        forward(torch.ones(2), m=nn.ReLU())  # a module argument
+    with pytest.raises(TapError, match=r"called with \(float, str\); .* at least one tensor"):
+        forward(1.0, "a")
+    with pytest.raises(TapError, match=r"called with \(Tensor, m=Order\)"):
+        forward(torch.ones(2), m=Order.FIRST)  # (an enum would come back a plain int)
+    taps.tap_modules([None] * len(PATHS), PATHS, plan())  # (a new model: forgets what was left out)
+    optional = taps.tapped_forward(
+        lambda x, m=None: x * 2, 3, "mod.x", output=False, inputs=True, optional=frozenset([INPUTS])
+    )
+    torch.testing.assert_close(optional(torch.ones(2), m=nn.ReLU()), torch.full((2,), 2.0))
+    assert list(taps.dropped()) == [(3, INPUTS)] and "(Tensor, m=ReLU)" in taps.dropped()[(3, INPUTS)]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        ((1, True, False, None, -7, 2.5, -0.0, "héllo", ""), {}),
+        ((), {"a": [1, (2.0, "x")], "b": {"k": None, "j": [[]]}, "c": ()}),
+        ((3,), {"n": 2**40, "f": float("inf")}),
+    ],
+    ids=["scalars", "containers", "large"],
+)
+def test_a_general_call_is_put_back_together_as_it_was(call):
+    args, kwargs = call
+    t = torch.ones(2)
+    args = (t, *args)
+    values, layout = taps.flatten_args(args, kwargs, "p")
+    assert layout[0] == taps.GENERAL and values == [t]
+    again_args, again_kwargs = taps._assemble_call(values, layout, ())
+    assert again_args == args and again_kwargs == kwargs
+    assert again_args[0] is t
+    assert [type(x) for x in again_args] == [type(x) for x in args]
+
+
+class Gate(nn.Module):
+    def forward(self, h, owner):  # called with a module: cannot be an inputs tap
+        return torch.relu(h) * owner.lin.weight[0, 0]
+
+
+class MixedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gate = Gate()
+
+    def forward(self, x, pair, use_cache=False, scale=1.0, name="", **extra):
+        a, b = pair
+        h = self.lin(x) * scale + a - b
+        if use_cache and name.startswith("layer"):
+            h = h + 1
+        return self.gate(h, self) + extra["bias"][0] * extra["n"]
+
+
+class MixedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([MixedLayer() for _ in range(2)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            bias = [x.sum(-1, keepdim=True)]
+            x = layer(
+                x, (x * 0.5, x * 0.25), use_cache=True, scale=0.5, name=f"layer{i}", bias=bias, n=x.shape[0]
+            )
         return x
 
-    forward = taps.tapped_forward(extra, 3, "mod.x", output=False, inputs=True)
-    with pytest.raises(TapError, match=r"called with \(Tensor, y=Tensor\)"):
-        forward(torch.ones(2), y=torch.ones(2))  # (a keyword its forward does not name)
+
+class MixedOuter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = MixedStack()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_compiled_inputs_taps_serve_calls_with_constants_and_containers(choice, monkeypatch):
+    """A call with a tuple of tensors, a bool, a float, a string, a list and an integer the graph
+    keeps symbolic is an inputs tap: read as (args, kwargs), its tensors edited in place and
+    replaced per rows, its constants not replaceable; a module the wildcard reaches whose call
+    has a module argument is left out, and a wait there is refused with why."""
+    x = torch.randn(5, 8)
+
+    async def reader(m):  # rows 0..2: reads layer 1's call, edits a tensor inside its tuple
+        args, kwargs = await m.inner.layers[1].inputs
+        seen = ([a.clone() for a in args[1]], {k: v for k, v in kwargs.items() if k != "bias"})
+        args[1][0].add_(1.0)
+        return seen, kwargs["bias"][0].clone()
+
+    async def writer(m):  # rows 2..5: replaces the tensor in the keyword list
+        args, kwargs = await m.inner.layers[1].inputs
+        await m.inner.layers[1].inputs.set((args, {**kwargs, "bias": [kwargs["bias"][0] * 0]}))
+
+    async def flipper(m):  # a constant of the graph cannot be replaced: this block fails
+        args, kwargs = await m.inner.layers[0].inputs
+        await m.inner.layers[0].inputs.set((args, {**kwargs, "use_cache": False}))
+
+    async def gated(m):
+        return await m.inner.layers[0].gate.inputs
+
+    torch._dynamo.reset()  # (traced anew: what is left out is found while dynamo traces)
+    with compiled_outer(
+        choice, monkeypatch, x.shape[0], warm=torch.randn(3, 8), patterns=("**.inputs",), make=MixedOuter
+    ) as (model, tree, kernel):
+        with kernel.active(), torch.inference_mode():
+            blocks = [(reader, (0, 2)), (writer, (2, 5)), (flipper, (2, 5)), (gated, None)]
+            a, b, c, d = [kernel.start(fn(tree), n, rows) for n, (fn, rows) in enumerate(blocks)]
+            out = model(x)
+            kernel.finish()
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert isinstance(c.error, WriteError) and "shared by the whole batch" in str(c.error)
+    assert isinstance(d.error, TapError)
+    msg = str(d.error)
+    assert "inner.layers.0.gate.inputs is not a tap" in msg and "left out" in msg
+    assert "called with (Tensor, MixedLayer)" in msg and "mode='eager'" in msg
+
+    torch.manual_seed(0)
+    ref_model = MixedOuter().eval()
+    seen = []
+
+    def edit(mod, args, kwargs):
+        seen.append(([t.clone() for t in args[1]], dict(kwargs), kwargs["bias"][0].clone()))
+        args[1][0][0:2] += 1.0
+        kwargs["bias"][0][2:5] = 0
+
+    ref_model.inner.layers[1].register_forward_pre_hook(edit, with_kwargs=True)
+    with torch.no_grad():
+        ref = ref_model(x)
+    torch.testing.assert_close(out, ref)
+    (pair, consts), bias = a.result
+    torch.testing.assert_close(pair[0], seen[0][0][0][0:2])
+    torch.testing.assert_close(pair[1], seen[0][0][1][0:2])
+    torch.testing.assert_close(bias, seen[0][2][0:2])
+    assert consts == {"use_cache": True, "scale": 0.5, "name": "layer1", "n": 5}
 
 
 def test_an_output_that_cannot_be_a_tap_is_named():

@@ -130,20 +130,52 @@ def test_a_tap_pattern_that_names_nothing_fails_the_start():
         asyncpp.VllmEngine(dtype="float32", mode="compiled", taps=["model.layers.*.mpl"])
 
 
-def test_a_module_whose_calls_cannot_be_tapped_fails_the_start_with_the_tap_error():
-    # vLLM runs Phi through its Transformers backend, whose decoder layers are called with
-    # Hugging Face's arguments (a bool, a tuple): no inputs tap can serve those calls. The check runs
-    # in the worker while vLLM traces the model; the caller gets the TapError, not vLLM's error.
+QUANT = "model.layers.0.mlp.experts.routed_experts.quant_method"
+
+
+def test_a_tap_named_exactly_whose_module_cannot_have_it_fails_the_start_with_the_tap_error():
+    # a MoE's experts call their quant_method with the layer itself (a module): no inputs tap can
+    # carry that call. The check runs in the worker while vLLM traces the model; the caller gets
+    # the TapError, not vLLM's error.
     from asyncpp.models.architectures import tiny_checkpoint
 
     with pytest.raises(asyncpp.TapError) as info:
         asyncpp.VllmEngine(
-            str(tiny_checkpoint("phi")), dtype="float32", mode="compiled", taps=["model.layers.0.inputs"]
+            str(tiny_checkpoint("qwen2_moe")), dtype="float32", mode="compiled", taps=[f"{QUANT}.inputs"]
         )
     msg = str(info.value)
-    assert msg.startswith("model.layers.0.inputs cannot be a tap: the module is called with (Tensor, ")
-    assert "use_cache=bool" in msg and "position_embeddings=tuple" in msg
+    assert msg.startswith(f"{QUANT}.inputs cannot be a tap: the module is called with (layer=RoutedExperts, ")
+    assert "x=Tensor" in msg
     assert "Engine core initialization failed" in str(info.value.__cause__)  # vLLM's own, kept
+
+
+def test_a_wildcard_leaves_out_the_modules_whose_calls_cannot_be_tapped():
+    from asyncpp.models.architectures import tiny_checkpoint
+
+    async def attention_call(m):
+        residual = (await m.model.layers[0].output)[1].clone()
+        args, kwargs = await m.model.layers[1].self_attn.inputs
+        return args, {k: v.clone() for k, v in kwargs.items()}, residual
+
+    async def left_out(m):
+        return await m.model.layers[0].mlp.experts.routed_experts.quant_method.inputs
+
+    ck = str(tiny_checkpoint("qwen2_moe"))
+    with asyncpp.VllmEngine(ck, dtype="float32", mode="compiled", taps=["**.inputs"]) as engine:
+        assert f"{QUANT}.inputs" in engine.untappable and f"{QUANT}.inputs" not in engine.taps
+        assert "called with (layer=RoutedExperts" in engine.untappable[f"{QUANT}.inputs"]
+        assert "model.layers.1.self_attn.inputs" in engine.taps
+        with asyncpp.trace(engine) as t:
+            a = t.invoke("The quick brown fox", attention_call)
+        with pytest.raises(asyncpp.TapError) as info, asyncpp.trace(engine) as t:
+            t.invoke("The quick brown fox", left_out)
+        msg = str(info.value)
+        assert f"{QUANT}.inputs is not a tap of this VllmEngine" in msg and "left out" in msg
+        assert "mode='eager'" in msg
+    args, kwargs, residual = a.result
+    assert args == () and set(kwargs) == {"positions", "hidden_states"}
+    assert kwargs["hidden_states"].shape == residual.shape  # this request's rows
+    assert kwargs["positions"].tolist() == list(range(residual.shape[0]))
 
 
 def test_modes_and_options_are_checked():

@@ -154,3 +154,18 @@ def test_a_script_that_makes_its_engine_without_a_main_guard_is_told_to_add_one(
     # and the script's own process raises that error, not vLLM's "engine core failed"
     raised = [line for line in run.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
     assert raised and raised[-1].startswith("asyncpp.kernel.errors.AsyncppError: asyncpp.VllmEngine(...)")
+
+
+def test_a_model_vllm_runs_through_its_transformers_backend_is_refused_at_start():
+    # vLLM has no Phi class of its own and runs it through its Transformers backend, where every
+    # request of a step is one [1, tokens, ...] sequence: a block cannot get its own rows there.
+    from asyncpp.models.architectures import tiny_checkpoint
+
+    with pytest.raises(asyncpp.AsyncppError) as info:
+        asyncpp.VllmEngine(str(tiny_checkpoint("phi")), dtype="float32", mode="eager")
+    msg = str(info.value)
+    assert msg.startswith(
+        "asyncpp cannot run PhiForCausalLM on vLLM yet: vLLM runs it through its Transformers"
+    )
+    assert "asyncpp.LocalEngine" in msg
+    assert "Engine core initialization failed" in str(info.value.__cause__)

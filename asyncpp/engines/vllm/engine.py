@@ -172,17 +172,23 @@ class VllmEngine(Engine):
         else:
             standard.attach(self.tree, PRESENTERS)
         info = self._taps_info
-        #: the tap set of a compiled engine (module paths), empty on an eager one
-        self.taps: list[str] = list(info["taps"])
         #: the tap set, as the driver sees it (None on an eager engine): which requests an auto
         #: engine runs eagerly (:meth:`runs_eagerly`), which waits a compiled one refuses at invoke
         self._plan = None
+        #: the locations the tap set reached whose module's call cannot have a tap, each with why
+        #: (left out: a pattern that names a module exactly fails the start instead)
+        self.untappable: dict[str, str] = {}
         if info["compiled"]:
             paths = [p for p, _ in entries]
             self._plan = TapPlan(
                 paths, [t for _, t in entries], info["roots"], [*standard_patterns(self.tree), *patterns]
             )
             self._plan.standard = self.tree.__dict__.get("_std")
+            for i, k, why in info["dropped"]:
+                self._plan.drop(i, k, why)
+            self.untappable = self._plan.untappable
+        #: the tap set of a compiled engine (module paths), empty on an eager one
+        self.taps: list[str] = [p for p in info["taps"] if p not in self.untappable]
         #: seconds vLLM spent compiling the model at start (0 when eager, small from its cache)
         self.compile_seconds = float(info["compile_seconds"])
         #: whether the compiled model came from the compile cache (inductor's) instead of compiling
@@ -273,7 +279,12 @@ class VllmEngine(Engine):
         try:
             if self._abandoned.is_set():
                 raise AsyncppError("the engine's start was interrupted")
-            self._taps_info = (await llm.collective_rpc("asyncpp_taps"))[0]
+            infos = await llm.collective_rpc("asyncpp_taps")
+            self._taps_info = infos[0]
+            dropped = {(i, k): why for info in infos for i, k, why in info["dropped"]}
+            if dropped:  # every rank leaves out the taps any rank's trace found cannot be
+                self._taps_info["dropped"] = [[i, k, why] for (i, k), why in sorted(dropped.items())]
+                await llm.collective_rpc("asyncpp_drop_taps", args=(self._taps_info["dropped"],))
             if self._taps_info["error"]:
                 raise ValueError(self._taps_info["error"])
             if self._taps_info["standard_error"] and self.standard_view:

@@ -10,10 +10,13 @@ waits on the site it counts the call and returns (a set lookup); otherwise the b
 at a controller, and a replaced value is copied into the graph's own tensors.
 
 Taps serve a module's output, its first argument (a pattern ending in ``.input``) or all its
-arguments (``.inputs``: tensors and Nones, by position or keyword). Modules outside the compiled region (the top-level model, the
+arguments (``.inputs``: tensors, Nones, Python numbers, strings, and tuples, lists and dicts of
+them, by position or keyword). Modules outside the compiled region (the top-level model, the
 logits processor, the sampler) keep their controllers and serve every kind of location, as in eager
 mode. The tap set is fixed when the engine starts: the default (every direct child of the compiled
-model, with each decoder layer of its layer list) plus the user's patterns.
+model, with each decoder layer of its layer list) plus the user's patterns. A module that a
+pattern with a wildcard (or the default set) reaches but whose call cannot be tapped is left out
+while vLLM traces the model (:func:`dropped`); one named exactly fails the start.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import inspect
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -31,7 +35,7 @@ from ...kernel.errors import TapError
 from ...kernel.traps import INPUT, INPUTS, KIND_CODES, KIND_NAMES, OUTPUT, SKIP
 from ...locations.footprint import Footprint
 
-TAPS_VERSION = 4  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
+TAPS_VERSION = 5  # part of vLLM's compile-cache key: bump when the tap operator or wrapper changes
 
 _LIB = torch.library.Library("asyncpp", "DEF")
 _LIB.define("tap(Tensor(a!)[] values, int site, int[] layout, int stage) -> ()")
@@ -40,12 +44,28 @@ BARE = -1  # layout of an output that is one tensor; else one entry per tuple it
 # an inputs tap's layout: one entry per argument, positional ones first (0 None, 1 tensor), then
 # keyword ones: KW + 2 j (None) or KW + 2 j + 1 (tensor) for parameter j of the module's forward
 KW = 2
+# an inputs tap's layout in the general form, for calls with other arguments: GENERAL, the number
+# of positional arguments, each one's item, the number of keyword arguments, each one's name (a
+# string item) and item. An item is one code, a constant's value after it, a container's length
+# and items after it.
+GENERAL = -2
+_NONE, _TENSOR, _FALSE, _TRUE, _INT, _FLOAT, _STR, _TUPLE, _LIST, _DICT = range(10)
 
 
 class _Server:
     """The worker's interleaver as the taps see it (one per process: a worker serves one model)."""
 
-    __slots__ = ("hot_in", "hot_out", "counts", "visit_input", "visit_inputs", "after", "link", "names")
+    __slots__ = (
+        "hot_in",
+        "hot_out",
+        "counts",
+        "visit_input",
+        "visit_inputs",
+        "after",
+        "link",
+        "names",
+        "paths",
+    )
 
     def __init__(
         self, kernel: Any, controllers: Any, sites: Iterable[int], names: dict[int, tuple[str, ...]]
@@ -58,6 +78,7 @@ class _Server:
         self.after = {i: controllers.output_server(i) for i in sites}
         self.link = controllers.link
         self.names = names  # per inputs tap, its forward's keyword names (the layout numbers them)
+        self.paths = kernel.names  # module path per module index
 
 
 _server: _Server | None = None
@@ -159,7 +180,10 @@ def _tap(values: list[Tensor], site: int, layout: list[int], stage: int) -> None
         names = server.names.get(site, ())
         args, kwargs = _assemble_call(values, layout, names)
         new_args, new_kwargs = server.visit_inputs(site, args, kwargs)
-        _copy_call(values, layout, names, new_args, new_kwargs)
+        if layout[0] == GENERAL:
+            _put_back((args, kwargs), (new_args, new_kwargs), f"{server.paths[site]}.inputs")
+        else:
+            _copy_call(values, layout, names, new_args, new_kwargs)
         return
     out = values[0] if layout[0] == BARE else _assemble(values, layout)
     new = server.after[site](out)
@@ -184,6 +208,8 @@ def _assemble(values: list[Tensor], layout: list[int]) -> tuple:
 
 def _assemble_call(values: list[Tensor], layout: list[int], names: tuple[str, ...]) -> tuple[tuple, dict]:
     """An inputs tap's call as (args, kwargs)."""
+    if layout[0] == GENERAL:
+        return _decode_call(values, layout)
     if layout[-1] < KW:  # positional arguments only
         return _assemble(values, layout), {}
     it = iter(values)
@@ -223,13 +249,24 @@ def _copy_into(values: list[Tensor], new: Any, layout: list[int]) -> None:
 
 def flatten(out: Any, path: str) -> tuple[list[Tensor], list[int]]:
     """The tensors of a module's output and their layout (the tap's arguments)."""
+    got = _flatten_output(out)
+    if got is None:
+        raise TapError(_output_refusal(path, out))
+    return got
+
+
+def _flatten_output(out: Any) -> tuple[list[Tensor], list[int]] | None:
     if isinstance(out, Tensor):
         return [out], [BARE]
     if type(out) is tuple and out and all(x is None or isinstance(x, Tensor) for x in out):
         tensors = [x for x in out if x is not None]
         if tensors:
             return tensors, [0 if x is None else 1 for x in out]
-    raise TapError(
+    return None
+
+
+def _output_refusal(path: str, out: Any) -> str:
+    return (
         f"{path} cannot be a tap: its output is {_describe(out)}; a tap serves a tensor or a tuple "
         f"of tensors (and Nones)"
     )
@@ -256,24 +293,161 @@ def flatten_args(
 ) -> tuple[list[Tensor], list[int]]:
     """The tensors of a module call's arguments and their layout (an inputs tap's arguments;
     ``names``: :func:`keyword_names` of the module's forward)."""
+    got = _flatten_call(args, kwargs, names)
+    if got is None:
+        raise TapError(_call_refusal(path, args, kwargs))
+    return got
+
+
+def _flatten_call(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[list[Tensor], list[int]] | None:
+    """:func:`flatten_args`, or None for a call an inputs tap cannot serve."""
     items = [(0, x) for x in args]
     items += [(KW + 2 * names.index(k) if k in names else None, x) for k, x in kwargs.items()]
     tensors, layout = [], []
     for base, x in items:
         if base is None or not (x is None or isinstance(x, Tensor)):
-            break
+            return _flatten_general(args, kwargs)
         if x is not None:
             tensors.append(x)
         layout.append(base + (x is not None))
+    return (tensors, layout) if tensors else None
+
+
+def _flatten_general(args: tuple, kwargs: dict) -> tuple[list[Tensor], list[int]] | None:
+    """A call's tensors and its layout in the general form (traced by dynamo: the layout is a
+    constant of the graph, but for integers vLLM keeps symbolic, which the operator takes as such)."""
+    tensors: list[Tensor] = []
+    layout = [GENERAL, len(args)]
+    for x in args:
+        if not _encode(x, layout, tensors):
+            return None
+    layout.append(len(kwargs))
+    for k, x in kwargs.items():
+        layout.extend(_constant_codes(k))
+        if not _encode(x, layout, tensors):
+            return None
+    return (tensors, layout) if tensors else None
+
+
+def _encode(x: Any, layout: list[int], tensors: list[Tensor]) -> bool:
+    """Append the item of ``x`` to ``layout`` (its tensors to ``tensors``); False if it has a
+    value that cannot be an item (a module, any other object)."""
+    if x is None:
+        layout.append(_NONE)
+    elif isinstance(x, Tensor):
+        layout.append(_TENSOR)
+        tensors.append(x)
+    elif type(x) is bool:
+        layout.append(_TRUE if x else _FALSE)
+    elif type(x) is int:  # (or an integer vLLM keeps symbolic; not an enum, which would come back an int)
+        layout.append(_INT)
+        layout.append(x)
+    elif type(x) is float or type(x) is str:
+        layout.extend(_constant_codes(x))
+    elif type(x) is tuple or type(x) is list:
+        layout.append(_TUPLE if type(x) is tuple else _LIST)
+        layout.append(len(x))
+        for y in x:
+            if not _encode(y, layout, tensors):
+                return False
+    elif type(x) is dict:
+        layout.append(_DICT)
+        layout.append(len(x))
+        for k, y in x.items():
+            if not isinstance(k, str):
+                return False
+            layout.extend(_constant_codes(k))
+            if not _encode(y, layout, tensors):
+                return False
     else:
-        if tensors:
-            return tensors, layout
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _constant_codes(x: float | str) -> tuple[int, ...]:
+    """The item of a float (its IEEE bits) or a string (its code points): run for real while
+    dynamo traces, its result a constant of the graph."""
+    if isinstance(x, float):
+        return (_FLOAT, struct.unpack("<q", struct.pack("<d", x))[0])
+    return (_STR, len(x), *map(ord, x))
+
+
+def _decode_call(values: list[Tensor], layout: list[int]) -> tuple[tuple, dict]:
+    """A call from its general-form layout and tensors."""
+    tensors = iter(values)
+    pos = 2
+    args = []
+    for _ in range(layout[1]):
+        x, pos = _decode(layout, pos, tensors)
+        args.append(x)
+    kwargs = {}
+    n, pos = layout[pos], pos + 1
+    for _ in range(n):
+        k, pos = _decode(layout, pos, tensors)
+        kwargs[k], pos = _decode(layout, pos, tensors)
+    return tuple(args), kwargs
+
+
+def _decode(layout: list[int], pos: int, tensors: Iterator[Tensor]) -> tuple[Any, int]:
+    code = layout[pos]
+    pos += 1
+    if code == _TENSOR:
+        return next(tensors), pos
+    if code <= _TRUE:
+        return (None, None, False, True)[code], pos
+    if code == _INT:
+        return layout[pos], pos + 1
+    if code == _FLOAT:
+        return struct.unpack("<d", struct.pack("<q", layout[pos]))[0], pos + 1
+    n = layout[pos]
+    pos += 1
+    if code == _STR:
+        return "".join(map(chr, layout[pos : pos + n])), pos + n
+    items: Any = {} if code == _DICT else []
+    for _ in range(n):
+        if code == _DICT:
+            k, pos = _decode(layout, pos, tensors)
+            items[k], pos = _decode(layout, pos, tensors)
+        else:
+            x, pos = _decode(layout, pos, tensors)
+            items.append(x)
+    return (tuple(items) if code == _TUPLE else items), pos
+
+
+def _put_back(old: Any, new: Any, where: str) -> None:
+    """Copy the replaced tensors of a general-form call into the graph's tensors. The kernel
+    checked a block's rows; a value that is no tensor is a constant of the compiled graph and
+    must stay as it was."""
+    if isinstance(old, Tensor):
+        if new is not old:
+            if not isinstance(new, Tensor) or new.shape != old.shape:
+                raise TapError(f"{where}: a tensor of the call can only be replaced by one of its shape")
+            old.copy_(new)
+    elif type(old) in (tuple, list, dict):
+        if (
+            type(new) is not type(old)
+            or len(new) != len(old)
+            or (type(old) is dict and new.keys() != old.keys())
+        ):
+            raise TapError(f"{where}: the replacement does not have the call's structure")
+        for k in old if type(old) is dict else range(len(old)):
+            _put_back(old[k], new[k], f"{where}[{k!r}]")
+    elif new is not old and not (type(new) is type(old) and new == old):
+        raise TapError(
+            f"{where}: {old!r} is a constant of vLLM's compiled model and cannot be replaced "
+            f"(by {new!r}); make the engine with mode='eager' to run the module on other arguments"
+        )
+
+
+def _call_refusal(path: str, args: tuple, kwargs: dict) -> str:
     given = ", ".join(
         [*(type(x).__name__ for x in args), *(f"{k}={type(x).__name__}" for k, x in kwargs.items())]
     )
-    raise TapError(
+    return (
         f"{path}.inputs cannot be a tap: the module is called with ({given}); an inputs tap serves "
-        f"calls whose arguments are tensors (and Nones), by position or by a keyword its forward names"
+        f"calls with at least one tensor whose arguments are tensors, None, Python numbers, strings, "
+        f"and tuples, lists and dicts of them"
     )
 
 
@@ -285,26 +459,43 @@ def tapped_forward(
     input: bool = False,
     inputs: bool = False,
     names: tuple[str, ...] | None = None,
+    optional: frozenset[int] = frozenset(),
 ) -> Any:
     """``forward`` with the taps of module ``site`` on its output, its first argument and/or all
-    its arguments (traced into the graph)."""
+    its arguments (traced into the graph). A tap of a kind in ``optional`` (a kernel kind code)
+    that the call cannot have is left out (:func:`dropped` says why); another raises TapError."""
 
     if names is None:
         names = keyword_names(forward) if inputs else ()
 
     def tapped(*args: Any, **kwargs: Any) -> Any:
         if inputs:
-            values, layout = flatten_args(args, kwargs, path, names)
-            torch.ops.asyncpp.tap(values, site, layout, INPUTS)
+            got = _flatten_call(args, kwargs, names)
+            if got is not None:
+                torch.ops.asyncpp.tap(got[0], site, got[1], INPUTS)
+            elif INPUTS in optional:
+                _drop(site, INPUTS, _call_refusal(path, args, kwargs))
+            else:
+                raise TapError(_call_refusal(path, args, kwargs))
         if input:
             first = args[0] if args else next(iter(kwargs.values()), None)  # (as eager mode's .input)
-            if not isinstance(first, Tensor):
+            if isinstance(first, Tensor):
+                torch.ops.asyncpp.tap([first], site, [BARE], INPUT)
+            elif INPUT in optional:
+                _drop(
+                    site, INPUT, f"{path}.input cannot be a tap: the module's first argument is not a tensor"
+                )
+            else:
                 raise TapError(f"{path}.input cannot be a tap: the module's first argument is not a tensor")
-            torch.ops.asyncpp.tap([first], site, [BARE], INPUT)
         out = forward(*args, **kwargs)
         if output:
-            values, layout = flatten(out, path)
-            torch.ops.asyncpp.tap(values, site, layout, OUTPUT)
+            got = _flatten_output(out)
+            if got is not None:
+                torch.ops.asyncpp.tap(got[0], site, got[1], OUTPUT)
+            elif OUTPUT in optional:
+                _drop(site, OUTPUT, _output_refusal(path, out))
+            else:
+                raise TapError(_output_refusal(path, out))
         return out
 
     tapped.__wrapped__ = forward  # type: ignore[attr-defined]
@@ -312,9 +503,26 @@ def tapped_forward(
     return tapped
 
 
+# the taps left out in this process (site, kind) -> why, as vLLM traced the model
+_dropped: dict[tuple[int, int], str] = {}
+
+
+@torch.compiler.assume_constant_result
+def _drop(site: int, kind: int, why: str) -> bool:
+    """Leave a tap out (run for real while dynamo traces; nothing of it is in the graph)."""
+    _dropped[(site, kind)] = why
+    return True
+
+
+def dropped() -> dict[tuple[int, int], str]:
+    """The taps left out since the model's modules were wrapped: (site, kind) -> why."""
+    return dict(_dropped)
+
+
 def tap_modules(modules: Sequence[Any], paths: Sequence[str], plan: TapPlan) -> dict[int, tuple[str, ...]]:
     """Wrap the forward of each module ``plan`` taps (before vLLM traces the model); returns what
     :func:`bind` needs: each inputs tap's keyword names."""
+    _dropped.clear()
     names = {}
     for i in sorted(plan.sites | plan.in_sites | plan.ins_sites):
         module = modules[i]
@@ -329,6 +537,7 @@ def tap_modules(modules: Sequence[Any], paths: Sequence[str], plan: TapPlan) -> 
                 input=i in plan.in_sites,
                 inputs=i in plan.ins_sites,
                 names=names.get(i),
+                optional=plan.optional(i),
             )
     return names
 
@@ -417,6 +626,10 @@ class TapPlan:
                     sites.add(i)  # a decoder layer of the layer list
         self.unmatched = []
         by_kind: dict[str, set[int]] = {"": sites, ".input": set(), ".inputs": set()}
+        kinds = {"": OUTPUT, ".input": INPUT, ".inputs": INPUTS}
+        #: the taps a pattern names exactly: one its module's call cannot have fails the start
+        #: (others are left out, see :meth:`drop`)
+        self.exact: set[tuple[int, int]] = set()
         for pat in self.patterns:
             suffix = next((k for k in (".input", ".inputs") if pat.endswith(k)), "")
             module_pat = pat[: len(pat) - len(suffix)]
@@ -426,11 +639,41 @@ class TapPlan:
             if not found:
                 self.unmatched.append(pat)
             by_kind[suffix].update(found)
+            if not any(c in module_pat for c in "*?["):
+                self.exact.update((i, kinds[suffix]) for i in found)
+        #: the taps left out because their module's call cannot have them: (site, kind) -> why
+        self.dropped: dict[tuple[int, int], str] = {}
         self.sites = frozenset(sites)  # output taps
         self.in_sites = frozenset(by_kind[".input"])  # input taps (the module's first argument)
         self.ins_sites = frozenset(by_kind[".inputs"])  # inputs taps (all its arguments)
         #: the kernel's ``refuse_at`` (a set the native link reads live): emptied for eager steps
         self.guarded = set(self.refuse_at)
+
+    def optional(self, index: int) -> frozenset[int]:
+        """The kinds of tap on module ``index`` that are left out should its call not have them."""
+        return frozenset(k for k in (OUTPUT, INPUT, INPUTS) if (index, k) not in self.exact)
+
+    def drop(self, index: int, kind: int, why: str) -> None:
+        """Leave out a tap that module ``index``'s call cannot have (found while vLLM traced
+        the model): a wait there is refused with ``why``."""
+        self.dropped[(index, kind)] = why
+        if kind == OUTPUT:
+            self.sites = self.sites - {index}
+            if not self.eager_now:
+                self.guarded.add(index)
+        elif kind == INPUT:
+            self.in_sites = self.in_sites - {index}
+        else:
+            self.ins_sites = self.ins_sites - {index}
+        self._needs.clear()
+
+    @property
+    def untappable(self) -> dict[str, str]:
+        """The locations the tap set reached but left out (see :meth:`drop`), each with why."""
+        return {
+            self.paths[i] + ("" if k == OUTPUT else f".{KIND_NAMES[k]}"): why
+            for (i, k), why in sorted(self.dropped.items())
+        }
 
     @property
     def refuse_at(self) -> frozenset[int]:
@@ -509,6 +752,14 @@ class TapPlan:
         path = self.paths[index]
         what = f"{path}.{KIND_NAMES[kind]}"
         eager = "make the engine with mode='eager' (every location, slower)"
+        why = self.dropped.get((index, kind)) or (
+            self.dropped.get((index, INPUTS)) if kind == INPUT else None
+        )
+        if why is not None:
+            return TapError(
+                f"{what} is not a tap of this VllmEngine: its tap patterns reach it, but the module's "
+                f"call cannot have one, so it was left out ({why}). To serve it, {eager}"
+            )
         if kind == SKIP:
             return TapError(
                 f"{what}: this VllmEngine runs vLLM's compiled model, whose taps serve a module's "

@@ -159,6 +159,10 @@ class AsyncppWorker(CPUWorker):
         """Whether this worker runs vLLM's compiled model, its taps, and the compile time."""
         return self.asyncpp.taps_info()
 
+    def asyncpp_drop_taps(self, dropped: list[list[Any]]) -> None:
+        """Leave out the taps, [site, kind, why] each, that any rank's trace found cannot be."""
+        self.asyncpp.drop_taps(dropped)
+
     def asyncpp_budget(self, seconds: float | None) -> None:
         """Give every block a time budget per generation step (None: none)."""
         self.asyncpp.set_budget(seconds)
@@ -180,12 +184,29 @@ class _Request:
         self.error: BaseException | None = None  # a failure before the block could start
 
 
+def _refuse_transformers_backend(model: Any, runner: Any) -> None:
+    """vLLM's Transformers backend (its fallback for a model it has no class of its own for, or
+    ``model_impl="transformers"``) runs the Hugging Face modules on every request of a step as one
+    ``[1, tokens, ...]`` sequence: a block would get every request's tokens, not its own rows."""
+    if not type(model).__module__.startswith("vllm.model_executor.models.transformers"):
+        return
+    config = getattr(runner, "model_config", None)
+    arch = ", ".join(getattr(getattr(config, "hf_config", None), "architectures", None) or ["this model"])
+    raise AsyncppError(
+        f"asyncpp cannot run {arch} on vLLM yet: vLLM runs it through its Transformers backend "
+        f"({type(model).__name__}), whose modules see every request of a step as one sequence "
+        f"([1, tokens, ...]), so a block could not be given its own request's rows. Run it with "
+        f"asyncpp.LocalEngine (Hugging Face), or use a model vLLM implements itself"
+    )
+
+
 class WorkerSession:
     """The per-worker state: controllers, the interleaver, and the requests that carry blocks."""
 
     def __init__(self, runner: Any):
         self.runner = runner
         model = runner.model
+        _refuse_transformers_backend(model, runner)
         self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
         self.of_block: dict[int, _Request] = {}  # id(block) -> its request
         self._starting: _Request | None = None  # the request whose block is starting
@@ -284,15 +305,25 @@ class WorkerSession:
 
     def taps_info(self) -> dict[str, Any]:
         plan = self.plan
+        if plan is not None:  # (vLLM has traced the model by now)
+            self.drop_taps([[i, k, why] for (i, k), why in taps.dropped().items()])
         return {
             "compiled": plan is not None,
             "taps": [] if plan is None else plan.tap_paths,
+            "dropped": [] if plan is None else [[i, k, why] for (i, k), why in plan.dropped.items()],
             "roots": [] if plan is None else plan.roots,
             "error": None if plan is None else plan.error(),
             "compile_seconds": self.warmup_seconds if plan is not None else 0.0,
             "compile_cached": self.compile_cached,
             "standard_error": self.std_error,
         }
+
+    def drop_taps(self, dropped: list[list[Any]]) -> None:
+        """Leave out these taps, [site, kind, why] each: the ones vLLM's trace found its modules'
+        calls cannot have, on any rank (a pipeline's stages trace different layers)."""
+        for i, k, why in dropped:
+            if (i, k) not in self.plan.dropped:
+                self.plan.drop(i, k, why)
 
     def _serve_points(self, model: Any, sampler: Any, modules: list[Any]) -> None:
         """The non-blocking serve points: after the stage's forward (the root's forward hook,
