@@ -13,7 +13,6 @@ import torch
 from asyncpp.engines.vllm import start_errors, taps
 from asyncpp.kernel.errors import AsyncppError, TapError
 
-
 _GATE = torch.nn.ReLU()  # (a module argument: no inputs tap carries it)
 
 
