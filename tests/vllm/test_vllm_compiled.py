@@ -178,6 +178,45 @@ def test_a_wildcard_leaves_out_the_modules_whose_calls_cannot_be_tapped():
     assert kwargs["positions"].tolist() == list(range(residual.shape[0]))
 
 
+def test_inputs_taps_on_views_of_one_tensor_leave_the_models_numbers_as_they_were(compiled):
+    # a layer's rotary embedding takes q and k, views of its q-k-v projection, and its attention
+    # takes v, another view of it: two taps mutating views of one tensor (under inductor's
+    # auto-functionalization v1, which vLLM picks, this computed NaNs)
+    async def read(m):
+        _, q, _ = (await m.model.layers[0].self_attn.rotary_emb.inputs)[0]  # (one module, shared)
+        q = q.clone()
+        k = (await m.model.layers[1].self_attn.attn.inputs)[0][1].clone()
+        return q, k, (await m.logits).clone()
+
+    async def logits(m):
+        return (await m.logits).clone()
+
+    taps = ["model.layers.*.self_attn.*.inputs"]
+    with asyncpp.VllmEngine(dtype="float32", mode="compiled", taps=taps) as engine:
+        with asyncpp.trace(engine) as t:
+            got = [t.invoke(p, read) for p in PROMPTS]
+    with asyncpp.trace(compiled) as t:
+        want = [t.invoke(p, logits) for p in PROMPTS]
+    for g, w in zip(got, want, strict=True):
+        q, k, lg = g.result
+        assert torch.isfinite(q).all() and torch.isfinite(k).all()
+        assert (lg - w.result).abs().max().item() <= 1e-4
+
+
+def test_compiled_engines_use_auto_functionalization_v2_unless_told_otherwise():
+    from asyncpp.engines.vllm.options import engine_options
+
+    def chosen(**kw):
+        config = engine_options(**kw).options.get("compilation_config") or {}
+        return config.get("inductor_compile_config", {}).get("enable_auto_functionalized_v2")
+
+    assert chosen(mode="compiled") is True and chosen() is True
+    assert chosen(mode="eager") is None
+    own = {"inductor_compile_config": {"enable_auto_functionalized_v2": False}, "splitting_ops": []}
+    assert chosen(mode="compiled", compilation_config=own) is False
+    assert chosen(mode="compiled", compilation_config='{"splitting_ops": []}') is True
+
+
 def test_modes_and_options_are_checked():
     with pytest.raises(ValueError, match="mode must be 'auto', 'compiled' or 'eager'"):
         asyncpp.VllmEngine(mode="fast")

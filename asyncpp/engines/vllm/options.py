@@ -7,6 +7,7 @@ workers only agree when those configs are the same.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ def engine_options(
     if not vllm_logs:
         options["use_tqdm_on_load"] = False  # the weight-loading progress bar
     options.update(vllm_options)
+    if run_mode != "eager":
+        options["compilation_config"] = _functionalization_v2(options.get("compilation_config"))
     extra = dict(options.get("additional_config") or {})
     # the tap patterns; each worker resolves them and keys vLLM's compile cache by the result
     extra[EXTRA_KEY] = {"taps": patterns, "taps_version": TAPS_VERSION, "auto": run_mode == "auto"}
@@ -81,6 +84,31 @@ def engine_options(
     if nodes(options) > 1:
         _multinode(options)
     return EngineOptions(options, run_mode, patterns, default_model)
+
+
+FUNCTIONALIZATION_V2 = "enable_auto_functionalized_v2"
+
+
+def _functionalization_v2(config: Any) -> Any:
+    """vLLM's compilation config with inductor's auto-functionalization v2 (unless the user chose).
+
+    vLLM picks v1 for its own fusion passes. A tap mutates the graph's tensors, and under v1 two
+    taps that mutate views of one tensor (a layer's ``rotary_emb.inputs``, views of its q-k-v
+    projection, then its ``attn.inputs``) were copied back wrongly: the model computed NaNs."""
+    if config is None:
+        config = {}
+    if isinstance(config, str):
+        config = json.loads(config)
+    if isinstance(config, dict):
+        config = dict(config)
+        inductor = dict(config.get("inductor_compile_config") or {})
+        inductor.setdefault(FUNCTIONALIZATION_V2, True)
+        config["inductor_compile_config"] = inductor
+        return config
+    inductor = getattr(config, "inductor_compile_config", None)
+    if isinstance(inductor, dict):
+        inductor.setdefault(FUNCTIONALIZATION_V2, True)
+    return config
 
 
 def _multinode(options: dict[str, Any]) -> None:
