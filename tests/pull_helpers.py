@@ -24,9 +24,13 @@ def same_value(a: Any, b: Any) -> bool:
             and a.contiguous().reshape(-1).view(torch.uint8).tolist()
             == b.contiguous().reshape(-1).view(torch.uint8).tolist()
         )
-    if type(a) is not type(b) or not isinstance(a, (tuple, list)) or len(a) != len(b):
+    if type(a) is not type(b):
         return False
-    return all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    if not isinstance(a, (tuple, list)):
+        return a == b  # a constant (None, a number, a string)
+    return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
 
 
 def has(svc: PullService, req: int, key: int, visit: int) -> bool:

@@ -15,9 +15,12 @@ Nothing here sends, receives or starts a thread: these are the bytes both ends a
   (the header's bytes, then the body's) with :data:`TAG_HEADER`, received into a buffer of that
   size; a longer one is its header alone, followed at once by one uint8 body with the gloo message
   tag :data:`TAG_BODY` (:func:`inline`). Only REPLY and PULL carry bodies. An ok body (status :data:`OK`) is ``meta (int64 words, padded to 16 bytes) +
-  payload``: the payload is every tensor of the value flattened into one buffer of its single dtype;
-  meta encodes the structure and shapes (``[LEAF, ndim, *shape]`` or ``[TUPLE|LIST, n,
-  *children]``). An error body (status :data:`ERR`) is the UTF-8 message. Status :data:`WHOLE` is
+  payload``: the payload is every tensor of the value flattened into one buffer, each starting at a
+  multiple of its item size; meta encodes the structure and shapes: ``[LEAF, ndim, *shape]`` (a
+  tensor of the header's dtype), ``[TLEAF, ndim, dtype, *shape]`` (of another dtype),
+  ``[TUPLE|LIST, n, *children]``, ``[DICT, n, *(key, child)]`` (string keys), and constants:
+  ``[NONE, 0]``, ``[BOOL, 0|1]``, ``[INT, v]``, ``[FLOAT, IEEE bits]``, ``[STR, n, *code points]``.
+  An error body (status :data:`ERR`) is the UTF-8 message. Status :data:`WHOLE` is
   an ok body of the whole value where the pull asked for a selection the owner could not apply:
   the requester applies it, so that it fails there as it would on one stage.
 * A PULL with ``body_bytes > 0`` carries a *selection* in the same way: what the requester applies
@@ -65,6 +68,7 @@ PULL, CANCEL, REPLY, DRAIN, BYE = 1, 2, 3, 4, 5
 KIND_NAMES = {PULL: "PULL", CANCEL: "CANCEL", REPLY: "REPLY", DRAIN: "DRAIN", BYE: "BYE"}
 OK, ERR, WHOLE = 0, 1, 2
 LEAF, TUPLE, LIST = 0, 1, 2
+TLEAF, DICT, NONE, BOOL, INT, FLOAT, STR = 3, 4, 5, 6, 7, 8, 9
 
 MAX_MESSAGE = 1 << 16  # bytes of an error body at most
 FRAME_BYTES = HEADER_BYTES + (1 << 16)  # a header and a body up to 64 KiB: one gloo message
@@ -247,54 +251,76 @@ def buffer_of(t: torch.Tensor) -> memoryview:
 
 
 def _path(path: tuple[int, ...]) -> str:
-    return "value" + "".join(f"[{i}]" for i in path)
+    return "value" + "".join(f"[{i!r}]" for i in path)
 
 
 def encode(value: Any) -> Encoded:
-    """Serialize a tensor or a (nested) tuple/list of tensors of one dtype into one private CPU
-    buffer. Raises Refused for anything else (mixed dtypes, non-tensor items, sparse tensors)."""
+    """Serialize a tensor, a constant (None, bool, int, float, str) or a nested tuple, list or dict
+    (string keys) of them into one private CPU buffer; tensors keep their own dtypes. Raises
+    Refused for anything else (other objects, sparse tensors)."""
     meta: list[int] = []
-    leaves: list[tuple[tuple[int, ...], torch.Tensor]] = []
+    leaves: list[torch.Tensor] = []
+    first: list[torch.dtype] = []  # the header's dtype: the first tensor's
 
-    def walk(v: Any, path: tuple[int, ...]) -> None:
+    def walk(v: Any, path: tuple[Any, ...]) -> None:
         if isinstance(v, torch.Tensor):
             if v.layout != torch.strided:
                 raise Refused(f"{_path(path)} is a {v.layout} tensor; only dense tensors can cross stages")
-            meta.extend((LEAF, v.dim(), *v.shape))
-            leaves.append((path, v))
-        elif isinstance(v, (tuple, list)):
-            meta.extend((TUPLE if isinstance(v, tuple) else LIST, len(v)))
+            if v.dtype not in DTYPE_CODE:
+                raise Refused(f"{_path(path)} has dtype {v.dtype}, which cannot cross stages")
+            if not first:
+                first.append(v.dtype)
+            if v.dtype == first[0]:
+                meta.extend((LEAF, v.dim(), *v.shape))
+            else:
+                meta.extend((TLEAF, v.dim(), DTYPE_CODE[v.dtype], *v.shape))
+            leaves.append(v)
+        elif type(v) in (tuple, list):
+            meta.extend((TUPLE if type(v) is tuple else LIST, len(v)))
             for i, item in enumerate(v):
                 walk(item, (*path, i))
+        elif type(v) is dict:
+            meta.extend((DICT, len(v)))
+            for k, item in v.items():
+                if type(k) is not str:
+                    raise Refused(
+                        f"{_path(path)} is a dict with a {type(k).__name__} key; only string keys cross stages"
+                    )
+                meta.extend((STR, len(k), *map(ord, k)))
+                walk(item, (*path, k))
+        elif v is None:
+            meta.extend((NONE, 0))
+        elif type(v) is bool:
+            meta.extend((BOOL, int(v)))
+        elif type(v) is int and _int_ok(v):
+            meta.extend((INT, v))
+        elif type(v) is float:
+            meta.extend((FLOAT, struct.unpack("<q", struct.pack("<d", v))[0]))
+        elif type(v) is str:
+            meta.extend((STR, len(v), *map(ord, v)))
         else:
-            where = "the value" if not path else _path(path)
             raise Refused(
-                f"{where} is a {type(v).__name__}, not a tensor: only tensors and tuples/lists of "
-                "tensors can cross stages"
+                f"{_path(path)} is a {type(v).__name__}: only tensors, None, Python numbers and strings, "
+                "and tuples, lists and dicts of them can cross stages"
             )
 
     walk(value, ())
-    dtypes: dict[torch.dtype, tuple[int, ...]] = {}
-    for path, leaf in leaves:
-        dtypes.setdefault(leaf.dtype, path)
-    if len(dtypes) > 1:
-        kind = type(value).__name__
-        listed = ", ".join(f"{d} at {_path(p)}" for d, p in dtypes.items())
-        raise Refused(
-            f"the value is a {kind} with mixed dtypes ({listed}); a container must hold a single dtype to "
-            "cross stages (pull its items separately or cast them to one dtype)"
-        )
-    dtype = next(iter(dtypes), torch.float32)
-    if dtype not in DTYPE_CODE:
-        raise Refused(f"dtype {dtype} cannot cross stages")
+    dtype = first[0] if first else torch.float32
     if len(meta) % 2:
         meta.append(0)  # 16-byte aligned payload, so a view as any dtype is legal
-    # one copy of every leaf into one buffer, after the meta words (torch.cat: the cheapest way)
+    # one copy of every leaf into one buffer, after the meta words (torch.cat: the cheapest way),
+    # each leaf at a multiple of its item size
     parts = [torch.tensor(meta, dtype=torch.int64).view(torch.uint8)]
-    parts += [leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for _, leaf in leaves]
+    offset = 0
+    for leaf in leaves:
+        pad = -offset % leaf.element_size()
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+        part = leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(part)
+        offset += pad + part.numel()
     body = torch.cat(parts)
-    payload_bytes = body.numel() - 8 * len(meta)
-    return Encoded(OK, DTYPE_CODE[dtype], len(meta), payload_bytes, body)
+    return Encoded(OK, DTYPE_CODE[dtype], len(meta), offset, body)
 
 
 def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Tensor | Buffer) -> Any:
@@ -306,58 +332,105 @@ def decode(dtype_code: int, meta_words: int, payload_bytes: int, body: torch.Ten
     data = buffer_of(body) if isinstance(body, torch.Tensor) else memoryview(body)
     dtype = DTYPES[dtype_code]
     meta_bytes = 8 * meta_words
-    if meta_bytes + payload_bytes > len(data) or payload_bytes % dtype.itemsize:
+    if meta_bytes + payload_bytes > len(data):
         raise WireError(
             f"a body of {len(data)} bytes cannot hold {meta_words} meta words and a {dtype} payload of "
             f"{payload_bytes} bytes"
         )
     meta = data[:meta_bytes].cast("q").tolist()
-    n = payload_bytes // dtype.itemsize
-    payload = (
-        torch.frombuffer(data, dtype=dtype, offset=meta_bytes, count=n) if n else torch.empty(0, dtype=dtype)
-    )
     if meta and meta[0] == LEAF and len(meta) - 2 - meta[1] in (0, 1):  # one tensor (the common case)
         shape = meta[2 : 2 + meta[1]]
-        if math.prod(shape) == n:
-            return payload.view(shape)
-    return _build(_structure(meta), payload)
+        if math.prod(shape) * dtype.itemsize == payload_bytes:
+            n = payload_bytes // dtype.itemsize
+            if not n:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(data, dtype=dtype, offset=meta_bytes, count=n).view(shape)
+    raw = (
+        torch.frombuffer(data, dtype=torch.uint8, offset=meta_bytes, count=payload_bytes)
+        if payload_bytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return _build(_structure(meta, dtype_code), raw)
 
 
 class _Leaf(NamedTuple):
-    """A tensor in a value's structure: its shape and where its elements start in the payload."""
+    """A tensor in a value's structure: its shape, where its bytes start in the payload, its dtype."""
 
     shape: tuple[int, ...]
     offset: int
+    dtype: int
 
 
-def _structure(meta: Sequence[int]) -> Any:
-    """The structure the meta words describe: a :class:`_Leaf` per tensor, a tuple or list of
-    children per container. Raises WireError for an unknown node kind."""
+class _Const(NamedTuple):
+    """A constant in a value's structure (None, a bool, an int, a float, a string)."""
+
+    value: Any
+
+
+def _structure(meta: Sequence[int], dtype_code: int) -> Any:
+    """The structure the meta words describe: a :class:`_Leaf` per tensor, a :class:`_Const` per
+    constant, a tuple, list or dict of children per container. Raises WireError for an unknown
+    node kind."""
     pos, offset = 0, 0
 
     def walk() -> Any:
         nonlocal pos, offset
         kind, n = meta[pos], meta[pos + 1]
         pos += 2
-        if kind not in (LEAF, TUPLE, LIST):
-            raise WireError(f"reply meta has an unknown node kind {kind} at word {pos - 2}")
-        if kind == LEAF:
+        if kind == LEAF or kind == TLEAF:
+            code = dtype_code
+            if kind == TLEAF:
+                code = meta[pos]
+                pos += 1
+                if not 0 <= code < len(DTYPES):
+                    raise WireError(f"reply meta has an unknown dtype code {code} at word {pos - 1}")
             shape = tuple(meta[pos : pos + n])
             pos += n
-            leaf = _Leaf(shape, offset)
-            offset += math.prod(shape)
+            size = DTYPES[code].itemsize
+            offset += -offset % size
+            leaf = _Leaf(shape, offset, code)
+            offset += math.prod(shape) * size
             return leaf
-        items = [walk() for _ in range(n)]
-        return tuple(items) if kind == TUPLE else items
+        if kind in (TUPLE, LIST):
+            items = [walk() for _ in range(n)]
+            return tuple(items) if kind == TUPLE else items
+        if kind == DICT:
+            out = {}
+            for _ in range(n):
+                key = walk()
+                out[key.value] = walk()
+            return out
+        if kind == STR:
+            text = "".join(map(chr, meta[pos : pos + n]))
+            pos += n
+            return _Const(text)
+        if kind == NONE:
+            return _Const(None)
+        if kind == BOOL:
+            return _Const(bool(n))
+        if kind == INT:
+            return _Const(n)
+        if kind == FLOAT:
+            return _Const(struct.unpack("<d", struct.pack("<q", n))[0])
+        raise WireError(f"reply meta has an unknown node kind {kind} at word {pos - 2}")
 
     return walk()
 
 
 def _build(node: Any, payload: torch.Tensor) -> Any:
-    """The value of a structure: its leaves as views of ``payload``."""
-    if type(node) is _Leaf:
-        return payload[node.offset : node.offset + math.prod(node.shape)].view(node.shape)
-    return type(node)(_build(child, payload) for child in node)
+    """The value of a structure: its leaves as views of ``payload`` (bytes)."""
+    t = type(node)
+    if t is _Leaf:
+        dtype = DTYPES[node.dtype]
+        nbytes = math.prod(node.shape) * dtype.itemsize
+        if not nbytes:
+            return torch.empty(node.shape, dtype=dtype)
+        return payload[node.offset : node.offset + nbytes].view(dtype).view(node.shape)
+    if t is _Const:
+        return node.value
+    if t is dict:
+        return {k: _build(child, payload) for k, child in node.items()}
+    return t(_build(child, payload) for child in node)
 
 
 def decode_copy(encoded: Encoded) -> Any:
@@ -371,10 +444,10 @@ def decode_copy(encoded: Encoded) -> Any:
 # ---------------------------------------------------------------------------------------------- selections
 
 # A selection is a tuple of operations applied in turn: ("index", key) is ``value[key]`` for a key
-# made of ints, slices of ints, None and Ellipsis (or a tuple of them); ("view", view) is
+# made of ints, slices of ints, None, Ellipsis and strings (or a tuple of them); ("view", view) is
 # ``view.remote(value)`` for a stateless ValueView.
 SEL_INDEX, SEL_VIEW = 1, 2
-K_INT, K_SLICE, K_NONE, K_ELLIPSIS = 0, 1, 2, 3
+K_INT, K_SLICE, K_NONE, K_ELLIPSIS, K_STR = 0, 1, 2, 3, 4
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -400,6 +473,8 @@ def _item_words(k: Any) -> list[int] | None:
         return [K_NONE]
     if k is Ellipsis:
         return [K_ELLIPSIS]
+    if type(k) is str:
+        return [K_STR, len(k), *map(ord, k)]
     if type(k) is slice and all(b is None or _int_ok(b) for b in (k.start, k.stop, k.step)):
         return [K_SLICE] + [_INT64[0] if b is None else b for b in (k.start, k.stop, k.step)]
     return None
@@ -466,6 +541,8 @@ def decode_selection(words: Sequence[int]) -> tuple[tuple[str, Any], ...]:
                 elif kind == K_SLICE:
                     a, b, c = (None if w == _INT64[0] else w for w in take(3))
                     items.append(slice(a, b, c))
+                elif kind == K_STR:
+                    items.append("".join(map(chr, take(take(1)[0]))))
                 else:
                     raise WireError(f"a selection has an unknown key kind {kind}")
             ops.append(("index", items[0] if n == -1 else tuple(items)))
@@ -507,7 +584,7 @@ def _layout(entry: Encoded) -> tuple[Any, memoryview]:
     """The stored value's structure (:func:`_structure`, parsed once) and the body's bytes."""
     if entry._layout is None:
         data = entry.data()
-        entry._layout = (_structure(data[: 8 * entry.meta_words].cast("q").tolist()), data)
+        entry._layout = (_structure(data[: 8 * entry.meta_words].cast("q").tolist(), entry.dtype), data)
     return entry._layout
 
 
@@ -518,12 +595,21 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
     for op, arg in ops:
         if op != "index":
             return None
-        if type(node) is not _Leaf:  # a tuple or list: one int picks an item
+        t = type(node)
+        if t is dict:  # a string picks an item
+            if type(arg) is not str or arg not in node:
+                return None
+            node = node[arg]
+            continue
+        if t is tuple or t is list:  # one int picks an item
             if type(arg) is not int or not -len(node) <= arg < len(node):
                 return None
             node = node[arg]
             continue
-        shape, offset = node
+        if t is not _Leaf:
+            return None
+        shape, offset, code = node
+        itemsize = DTYPES[code].itemsize
         keys = (arg,) if type(arg) is int else arg
         if type(keys) is not tuple or len(keys) > len(shape):
             return None
@@ -532,16 +618,16 @@ def _select_bytes(entry: Encoded, ops: Sequence[tuple[str, Any]]) -> Encoded | N
             if type(k) is not int or not -size <= k < size:
                 return None
             shape = shape[1:]
-            offset += (k % size) * math.prod(shape)
-        node = _Leaf(shape, offset)
+            offset += (k % size) * math.prod(shape) * itemsize
+        node = _Leaf(shape, offset, code)
     if type(node) is not _Leaf:
         return None
-    shape, offset = node
-    itemsize = DTYPES[entry.dtype].itemsize
+    shape, offset, code = node
+    itemsize = DTYPES[code].itemsize
     meta = (LEAF, len(shape), *shape) if len(shape) % 2 == 0 else (LEAF, len(shape), *shape, 0)
-    start = 8 * entry.meta_words + offset * itemsize
+    start = 8 * entry.meta_words + offset
     nbytes = math.prod(shape) * itemsize
     body = bytearray(struct.pack(f"<{len(meta)}q", *meta))
     body += data[start : start + nbytes]
     tensor = torch.frombuffer(body, dtype=torch.uint8)
-    return Encoded(OK, entry.dtype, len(meta), nbytes, tensor, _data=memoryview(body))
+    return Encoded(OK, code, len(meta), nbytes, tensor, _data=memoryview(body))

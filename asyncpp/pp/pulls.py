@@ -301,10 +301,10 @@ class PullService:
     # ------------------------------------------------------------------ owner side
 
     def publish(self, req: int, key: int, visit: int, value: Any) -> None:
-        """Store a private CPU copy of ``value`` (a tensor, or a possibly nested tuple/list of tensors of one
-        dtype) under (req, key, visit) and answer the pulls already waiting for it.  A value that cannot
-        cross stages (mixed dtypes, non-tensor items) is stored as an error for its pullers instead of
-        raising here: the model thread must keep running."""
+        """Store a private CPU copy of ``value`` (tensors, constants, and tuples, lists and dicts of
+        them: :func:`~asyncpp.pp.pull_format.encode`) under (req, key, visit) and answer the pulls
+        already waiting for it. A value that cannot cross stages (another object) is stored as an
+        error for its pullers instead of raising here: the model thread must keep running."""
         try:
             entry = fmt.encode(value)
         except fmt.Refused as exc:

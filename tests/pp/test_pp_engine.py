@@ -237,6 +237,23 @@ def test_a_failed_pull_raises_in_the_block_where_it_can_be_caught(two_stages):
     assert run(two_stages, read_nothing_used).result == 1  # the engine goes on
 
 
+async def a_call_downstream(m):
+    call = await m.model.layers[3].self_attn.inputs  # stage 1's; called by keyword
+    whole = await asyncpp.pull(call)  # (args, kwargs): a dict, int64 positions, float32 states
+    row = await asyncpp.pull(call[1]["hidden_states"][-1])  # a string key travels as an index
+    return whole, row
+
+
+def test_a_modules_call_crosses_stages_with_its_keywords_and_dtypes(one_stage, two_stages):
+    (args, kwargs), row = run(two_stages, a_call_downstream).result
+    (want_args, want_kwargs), _ = run(one_stage, a_call_downstream).result
+    assert args == () == want_args and list(kwargs) == ["positions", "hidden_states"] == list(want_kwargs)
+    assert kwargs["positions"].dtype == torch.int64 and kwargs["hidden_states"].dtype == torch.float32
+    assert torch.equal(kwargs["positions"], want_kwargs["positions"])
+    torch.testing.assert_close(kwargs["hidden_states"], want_kwargs["hidden_states"], atol=1e-5, rtol=0)
+    assert torch.equal(row, kwargs["hidden_states"][-1])
+
+
 def test_requests_leave_no_state_on_any_stage(two_stages):
     async def many(n):
         async def one(i):

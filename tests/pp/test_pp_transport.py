@@ -154,6 +154,17 @@ def _nbytes(v: Any) -> int:
     return sum(_nbytes(x) for x in v)
 
 
+def _plain(v: Any) -> Any:
+    """A value with its tensors as (dtype, list) pairs: plain Python, to send back to the test."""
+    if isinstance(v, torch.Tensor):
+        return (str(v.dtype), v.tolist())
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return type(v)(_plain(x) for x in v)
+    return v
+
+
 def _catch(fn: Callable[[], Any]) -> tuple[str, str]:
     """Run a pull expected to fail: (exception class name, message)."""
     try:
@@ -326,9 +337,9 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         svc.fail(req, 2, 0, "boom: layer 3 raised ValueError")
         _later(0.5, lambda: svc.fail(req, 3, 0, "late boom"))
         svc.publish(req, 4, 0, (torch.ones(2), torch.ones(2, dtype=torch.int64), torch.zeros(1)))
-        svc.publish(req, 5, 0, (torch.ones(2), None))
-        svc.publish(req, 6, 0, [torch.ones(1), [torch.ones(1), "text"]])
-        out["local_mixed"] = _catch(lambda: ph.local(svc, req, 4, 0))
+        svc.publish(req, 5, 0, ((torch.ones(2), None), {"use_cache": True, "scale": 0.5}))
+        svc.publish(req, 6, 0, [torch.ones(1), [torch.ones(1), {1: torch.ones(1)}]])
+        out["local_mixed"] = _plain(ph.local(svc, req, 4, 0))
         # an owner pulling from itself waits for its own publish (another thread reaches it)
         _later(0.3, lambda: svc.publish(req, 7, 0, torch.tensor([1.5])), at, "pub7")
         out["self_wait"] = (svc.pull(0, req, 7, 0, where="self").tolist(), time.monotonic())
@@ -350,9 +361,9 @@ def _scenario_waiting_and_errors(svc: PullService, rank: int, world: int) -> dic
         out["waited"] = (v.tolist(), str(v.dtype), time.monotonic())
         out["failed"] = _catch(lambda: svc.pull(0, req, 2, 0, where="model.layers.2.output"))
         out["failed_later"] = _catch(lambda: svc.pull(0, req, 3, 0, where="model.layers.3.mlp.output"))
-        out["mixed"] = _catch(lambda: svc.pull(0, req, 4, 0, where="model.layers.4.output"))
-        out["none_leaf"] = _catch(lambda: svc.pull(0, req, 5, 0, where="model.layers.5.output"))
-        out["str_leaf"] = _catch(lambda: svc.pull(0, req, 6, 0, where="model.layers.6.output"))
+        out["mixed"] = _plain(svc.pull(0, req, 4, 0, where="model.layers.4.output"))
+        out["call"] = _plain(svc.pull(0, req, 5, 0, where="model.layers.5.inputs"))
+        out["int_key"] = _catch(lambda: svc.pull(0, req, 6, 0, where="model.layers.6.output"))
         out["bad_owner"] = _catch(lambda: svc.pull(7, req, 1, 0, where="model.norm.output"))
         dist.barrier()  # 1
         out["timeout"] = _catch(lambda: svc.pull(0, req, 9, 0, where="model.layers.9.output"))
@@ -392,14 +403,11 @@ def test_waiting_pulls_errors_timeout_clear_and_close(tmp_path: Path) -> None:
     kind, msg = r1["failed_later"]
     assert kind == "PullError" and "late boom" in msg and "model.layers.3.mlp.output" in msg
 
-    kind, msg = r1["mixed"]
-    assert kind == "PullError" and "mixed dtypes" in msg, msg
-    assert "torch.float32" in msg and "torch.int64" in msg and "model.layers.4.output" in msg
-    assert r0["local_mixed"][0] == "PullError" and "mixed dtypes" in r0["local_mixed"][1]
-    kind, msg = r1["none_leaf"]
-    assert kind == "PullError" and "NoneType" in msg and "not a tensor" in msg
-    kind, msg = r1["str_leaf"]
-    assert kind == "PullError" and "str" in msg and "value[1][1]" in msg
+    mixed = (("torch.float32", [1.0, 1.0]), ("torch.int64", [1, 1]), ("torch.float32", [0.0]))
+    assert r1["mixed"] == mixed and r0["local_mixed"] == mixed  # each tensor its own dtype
+    assert r1["call"] == ((("torch.float32", [1.0, 1.0]), None), {"use_cache": True, "scale": 0.5})
+    kind, msg = r1["int_key"]
+    assert kind == "PullError" and "value[1][1] is a dict with a int key" in msg, msg
     kind, msg = r1["bad_owner"]
     assert kind == "PullError" and "stage 7" in msg
 

@@ -135,20 +135,41 @@ def test_encode_copies_and_decode_views_the_body():
 
 
 def test_unsupported_values_are_refused_with_the_reason():
-    with pytest.raises(
-        fmt.Refused, match=r"mixed dtypes \(torch\.float32 at value\[0\], torch\.int64 at value\[1\]\)"
-    ):
-        fmt.encode((torch.ones(2), torch.ones(2, dtype=torch.int64)))
-    with pytest.raises(fmt.Refused, match=r"value\[1\] is a NoneType, not a tensor"):
-        fmt.encode((torch.ones(2), None))
-    with pytest.raises(fmt.Refused, match=r"value\[1\]\[1\] is a str, not a tensor"):
-        fmt.encode([torch.ones(1), [torch.ones(1), "text"]])
-    with pytest.raises(fmt.Refused, match=r"the value is a int, not a tensor"):
-        fmt.encode(3)
-    with pytest.raises(fmt.Refused, match=r"value is a torch\.sparse_coo tensor; only dense tensors"):
-        fmt.encode(torch.eye(2).to_sparse())
-    with pytest.raises(fmt.Refused, match="the value is a dict, not a tensor: only tensors and tuples/lists"):
-        fmt.encode({"a": torch.ones(1)})
+    with pytest.raises(fmt.Refused, match=r"value\[1\]\[1\] is a object: only tensors, None, Python numbers"):
+        fmt.encode([torch.ones(1), [torch.ones(1), object()]])
+    with pytest.raises(fmt.Refused, match=r"value\['a'\] is a torch\.sparse_coo tensor; only dense tensors"):
+        fmt.encode({"a": torch.eye(2).to_sparse()})
+    with pytest.raises(fmt.Refused, match="value is a dict with a int key; only string keys"):
+        fmt.encode({1: torch.ones(1)})
+    with pytest.raises(fmt.Refused, match=r"value\[0\] is a int"):
+        fmt.encode((1 << 70,))  # (beyond int64)
+
+
+def test_a_call_with_mixed_dtypes_constants_and_keywords_round_trips():
+    """A module's ``.inputs``, ``(args, kwargs)``: tensors of several dtypes (each at a multiple of
+    its item size in the payload), constants and a dict cross stages as they are."""
+    g = torch.Generator().manual_seed(5)
+    value = (
+        (torch.randn(3, 4, generator=g), None, True, -7, 0.25, "naïve ✓"),
+        {
+            "positions": torch.arange(3, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]),
+            "half": torch.randn(2, generator=g).to(torch.float16),
+            "nested": [{"k": (torch.ones(1, dtype=torch.float64),)}, {}],
+            "empty": torch.empty(0, 2, dtype=torch.int32),
+        },
+    )
+    enc = fmt.encode(value)
+    assert fmt.DTYPES[enc.dtype] == torch.float32  # the first tensor's: the others say their own
+    back = _roundtrip(value)
+    assert same_value(back, value)
+    assert back[0][1:] == value[0][1:] and [type(x) for x in back[0]] == [type(x) for x in value[0]]
+    assert list(back[1]) == list(value[1]) and type(back[1]["nested"][0]["k"]) is tuple
+    received = bytearray(fmt.buffer_of(enc.body))  # views of the received bytes, every dtype
+    again = fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, received)
+    assert same_value(again, value)
+    for x in (None, 3, "s", {}, {"a": 1.5}):  # no tensor at all
+        assert _roundtrip(x) == x
 
 
 def test_bad_bodies_raise_wire_errors():
@@ -158,8 +179,8 @@ def test_bad_bodies_raise_wire_errors():
     with pytest.raises(fmt.WireError, match="unknown dtype code -1"):
         fmt.decode(-1, enc.meta_words, enc.payload_bytes, enc.body)
     bad = enc.body.clone()
-    bad[:8].view(torch.int64)[0] = 7  # not LEAF / TUPLE / LIST
-    with pytest.raises(fmt.WireError, match="unknown node kind 7 at word 0"):
+    bad[:8].view(torch.int64)[0] = 77  # no node kind
+    with pytest.raises(fmt.WireError, match="unknown node kind 77 at word 0"):
         fmt.decode(enc.dtype, enc.meta_words, enc.payload_bytes, bad)
     with pytest.raises(fmt.WireError, match="not an ok value: boom"):
         fmt.decode_copy(fmt.error_body("boom"))
@@ -224,13 +245,14 @@ def test_selections_round_trip_through_their_words():
         ("index", (slice(None), -1)),
         ("index", (Ellipsis, None, 5)),
         ("index", ()),
+        ("index", "hidden_states"),
         ("view", SplitResidual()),
     )
     body = fmt.encode_selection(ops)
     assert type(body) is bytes and len(body) % 8 == 0
     back = fmt.decode_selection(fmt.words_of(body))
     assert back[:-1] == ops[:-1] and type(back[-1][1]) is SplitResidual
-    for key in (True, 1.5, torch.tensor([0]), [0, 1], slice(0, 2.5), 1 << 70, "a"):
+    for key in (True, 1.5, torch.tensor([0]), [0, 1], slice(0, 2.5), 1 << 70, b"a"):
         assert not fmt.selectable_key(key), key  # (a bool is not the int it equals, as an index)
     assert fmt.selectable_view(SplitResidual()) and not fmt.selectable_view(LastPosition())
     assert not fmt.selectable_view(object())
@@ -269,6 +291,23 @@ def test_the_owner_selects_the_part_or_hands_back_the_whole_value():
         )
     error = fmt.error_body("gone")
     assert fmt.select(error, (("index", 0),)) is error and fmt.select(entry, ()) is entry
+    # a call's (args, kwargs): a keyword picks its tensor, of its own dtype, out of the bytes
+    call = ((mlp,), {"positions": torch.arange(5), "hidden_states": residual, "flag": True})
+    entry = fmt.encode(call)
+    for ops, want in (
+        ((("index", 1), ("index", "positions"), ("index", -1)), call[1]["positions"][-1]),
+        ((("index", 1), ("index", "hidden_states"), ("index", 2)), residual[2]),
+        ((("index", 0), ("index", 0)), mlp),
+    ):
+        part = fmt.select(entry, ops)
+        assert part.status == fmt.OK and part.payload_bytes == want.numel() * want.element_size()
+        assert same_value(fmt.decode(part.dtype, part.meta_words, part.payload_bytes, part.body), want)
+    flag = fmt.select(entry, (("index", 1), ("index", "flag")))  # a constant: through torch's path
+    assert (
+        flag.status == fmt.OK
+        and fmt.decode(flag.dtype, flag.meta_words, flag.payload_bytes, flag.body) is True
+    )
+    assert fmt.select(entry, (("index", 1), ("index", "nope"))).status == fmt.WHOLE
 
 
 def test_integer_selections_give_the_bytes_torch_would():
