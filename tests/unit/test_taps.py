@@ -69,6 +69,13 @@ def test_patterns_add_output_and_input_taps():
     assert isinstance(p.refuse(o_proj, OUTPUT), TapError)  # tapped at its input only
 
 
+def test_patterns_pass_over_module_containers_which_are_never_called():
+    p = plan("**.inputs", "model.*")
+    assert "model.layers.inputs" not in p.tap_paths and "model.layers" not in p.tap_paths
+    assert "model.layers.0.inputs" in p.tap_paths and "model.embed_tokens" in p.tap_paths
+    assert "'model.layers'" in plan("model.layers").error()  # named alone: it matches nothing
+
+
 def test_a_pattern_naming_no_compiled_module_is_an_error():
     p = plan("model.layers.*.mpl")
     msg = p.error()

@@ -580,6 +580,9 @@ def _match(pat: list[str], parts: list[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pat[0]) and _match(pat[1:], parts[1:])
 
 
+_CONTAINERS = frozenset({"ModuleList", "ModuleDict"})  # module containers: never called, so never tapped
+
+
 def standard_patterns(tree: Any) -> list[str]:
     """The taps the standard view needs besides the default set (each layer's attention and
     MLP), or none for a model without one."""
@@ -634,7 +637,11 @@ class TapPlan:
             suffix = next((k for k in (".input", ".inputs") if pat.endswith(k)), "")
             module_pat = pat[: len(pat) - len(suffix)]
             found = [
-                i for i in inside if self.paths[i] not in self.roots and matches(module_pat, self.paths[i])
+                i
+                for i in inside
+                if self.paths[i] not in self.roots
+                and types[i] not in _CONTAINERS
+                and matches(module_pat, self.paths[i])
             ]
             if not found:
                 self.unmatched.append(pat)
