@@ -92,6 +92,12 @@ class Engine(ABC):
     def close(self) -> None:
         """Release the engine's threads and processes."""
 
+    def check_options(self, spec: RunSpec) -> None:
+        """Refuse run options (a trace's keyword arguments) this engine cannot take, when the
+        trace is made: the error then points at the user's ``trace(...)`` line, not at the run.
+        The local engine passes them to the model's call, which checks them itself."""
+        return None
+
     def wait_refusal(self) -> Callable[[int, int], Exception | None] | None:
         """The engine's refusal of waits it can never serve, or None when it serves every
         location: ``refuse(module_index, kind)`` gives the error for such a wait (or None). A

@@ -101,13 +101,18 @@ class RemoteEngine(Engine):
             h["Authorization"] = f"Bearer {self.token}"
         return h
 
-    def _body(self, spec: RunSpec, params: dict[str, list[str]], *, stream: bool = False) -> bytes:
-        sampling = dict(spec.model_kwargs)
-        unknown = sorted(set(sampling) - set(_SAMPLING))
+    def check_options(self, spec: RunSpec) -> None:
+        """A remote trace takes the sampling options the server accepts (its values are checked
+        there)."""
+        unknown = sorted(set(spec.model_kwargs) - set(_SAMPLING))
         if unknown:
             raise ValueError(
                 f"a remote trace takes the sampling options {', '.join(_SAMPLING)}; not {unknown}"
             )
+
+    def _body(self, spec: RunSpec, params: dict[str, list[str]], *, stream: bool = False) -> bytes:
+        self.check_options(spec)
+        sampling = dict(spec.model_kwargs)
         invokes = []
         for inv in spec.invokes:
             entry: dict[str, Any] = {"prompt": _prompt(inv.input)}

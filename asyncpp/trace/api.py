@@ -321,7 +321,9 @@ def trace(target: Engine | nn.Module, *, grad: bool = False, **model_kwargs: Any
     """
     engine = _engine_for(target)
     _check_grad(engine, grad)
-    t = Trace(engine, RunSpec([], grad=grad, model_kwargs=model_kwargs))
+    spec = RunSpec([], grad=grad, model_kwargs=model_kwargs)
+    engine.check_options(spec)
+    t = Trace(engine, spec)
     t._target = target  # a module's shared engine holds it weakly: the trace keeps it alive
     return t
 
@@ -338,6 +340,7 @@ def generate(
     spec = RunSpec([], generate=True, max_new_tokens=max_new_tokens, grad=grad, model_kwargs=generate_kwargs)
     engine = _engine_for(target)
     _check_grad(engine, grad)
+    engine.check_options(spec)
     t = Trace(engine, spec)
     t._target = target
     return t

@@ -776,6 +776,8 @@ def test_remote_engine_generate_and_sync_entry(server, tiny):
 
 def test_remote_engine_raises_errors_as_a_local_engine_would(server):
     remote = _remote(server)
+    with pytest.raises(ValueError, match=r"takes the sampling options .*not \['logprobs'\]"):
+        asyncpp.generate(remote, max_new_tokens=2, logprobs=3)  # refused where it is made
     with pytest.raises(RuntimeError, match="the block says no") as info:
         with asyncpp.trace(remote) as t:
             failing = t.invoke(PROMPT, "boom", message="the block says no")

@@ -528,6 +528,40 @@ def test_a_prompt_must_leave_room_for_one_token(vllm_engine):
     assert all(s["requests"] == 0 for s in vllm_engine.worker_stats())
 
 
+def test_sampling_options_are_checked_where_the_trace_is_made(vllm_engine):
+    refused = [
+        (TypeError, "does not take 'max_tokens'.*max_new_tokens", {"max_tokens": 3}),
+        (TypeError, "does not take 'extra_args'", {"extra_args": {"a": 1}}),
+        (TypeError, "does not take 'output_kind'", {"output_kind": 0}),
+        (
+            TypeError,
+            "'temprature' is not one of them \\(did you mean 'temperature'\\?\\)",
+            {"temprature": 0.5},
+        ),
+        (ValueError, "n=2, but each invoke is one sequence", {"n": 2, "temperature": 1.0}),
+        (
+            ValueError,
+            "vLLM refuses these sampling options: temperature must be non-negative",
+            {"temperature": -1.0},
+        ),
+        (ValueError, "vLLM refuses these sampling options", {"top_p": "high"}),
+    ]
+    for make in (asyncpp.trace, lambda e, **kw: asyncpp.generate(e, max_new_tokens=2, **kw)):
+        for error, message, options in refused:
+            with pytest.raises(error, match=message) as info:
+                make(vllm_engine, **options)  # raises here, before the trace's body
+            assert info.traceback[-1].path.name == "sampling.py"
+            assert any(entry.path.name == __file__.rsplit("/", 1)[-1] for entry in info.traceback)
+
+    async def first_token(m):
+        return int((await m.samples).sampled_token_ids[0, 0])
+
+    with asyncpp.generate(vllm_engine, max_new_tokens=3, temperature=0.9, seed=7, logprobs=2) as t:
+        h = t.invoke("Hello", first_token)
+    assert h.result == int(h.tokens[0, 0]) and h.tokens.shape == (1, 3)
+    assert len(h.output.outputs[0].logprobs) == 3  # vLLM's own options reach the request
+
+
 QUIET_SCRIPT = """
 import asyncpp
 

@@ -36,7 +36,7 @@ from ...pp.pulls import PullError
 from ..base import Engine, InvokeOutcome, RunOutcome, RunSpec
 from ..bridge import await_future
 from ..inputs import InputError, token_rows
-from . import console, lifeline, start_errors
+from . import console, lifeline, sampling, start_errors
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .links import LinkServer
 from .options import engine_options, local_workers, nodes, size
@@ -209,6 +209,11 @@ class VllmEngine(Engine):
         if self.mode != "compiled" or self._plan is None:
             return None
         return self._plan.refuse
+
+    def check_options(self, spec: RunSpec) -> None:
+        """A trace's keyword arguments are vLLM ``SamplingParams``: refuse what vLLM would refuse,
+        and what asyncpp sets itself (``max_tokens``, ``extra_args``, ``output_kind``, ``n``)."""
+        sampling.check(spec)
 
     def runs_eagerly(self, block: Callable, args: tuple = (), kwargs: dict | None = None) -> bool:
         """Whether this engine runs a request with this block eagerly: on an auto engine, when
@@ -579,7 +584,6 @@ class VllmEngine(Engine):
 
     async def _run(self, spec: RunSpec) -> RunOutcome:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         invokes = spec.invokes
         prompts = []
@@ -602,15 +606,7 @@ class VllmEngine(Engine):
             prompts.append(rows[0])
         nums = [next(self._ids) for _ in invokes]
         ids = [f"asyncpp-{n}-{uuid.uuid4().hex[:8]}" for n in nums]
-        options = {"temperature": 0.0, **spec.model_kwargs}
-        if "output_kind" not in options:
-            # a run that streams no tokens needs only each request's final output (as vLLM's own
-            # server asks for a request that does not stream): no RequestOutput per step
-            kind = RequestOutputKind.FINAL_ONLY if spec.token_sink is None else RequestOutputKind.CUMULATIVE
-            options["output_kind"] = kind
-        # made fresh per request: vLLM need not deep-copy them, as its own OpenAI server's are not
-        # (about 20 us per request here)
-        options.setdefault("skip_clone", True)
+        options = sampling.request_options(spec.model_kwargs, streams_tokens=spec.token_sink is not None)
         max_tokens = spec.max_new_tokens if spec.generate else 1
         params = [
             SamplingParams(
