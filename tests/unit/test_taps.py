@@ -59,6 +59,32 @@ def test_default_taps_are_the_compiled_models_children_and_each_decoder_layer():
     assert p.inside == frozenset(range(1, 13))  # everything under model, not the sampler
 
 
+def test_default_taps_find_a_layer_list_held_deeper_in_the_compiled_model():
+    paths = [
+        "",
+        "model",
+        "model.decoder",
+        "model.decoder.embed_tokens",
+        "model.decoder.layers",
+        "model.decoder.layers.0",
+        "model.decoder.layers.0.experts",
+        "model.decoder.layers.0.experts.0",
+        "model.decoder.layers.1",
+        "model.decoder.final_layer_norm",
+        "lm_head",
+    ]
+    types = ["OPTForCausalLM", "OPTModel", "OPTDecoder", "Embedding", "ModuleList", "Layer"]
+    types += ["ModuleList", "Expert", "Layer", "LayerNorm", "Linear"]
+    p = taps.TapPlan(paths, types, ["model"], [])
+    assert p.tap_paths == [
+        "model.decoder",
+        "model.decoder.embed_tokens",
+        "model.decoder.layers.0",
+        "model.decoder.layers.1",
+        "model.decoder.final_layer_norm",
+    ]  # the experts' list, held by a layer, is no layer list
+
+
 def test_patterns_add_output_and_input_taps():
     p = plan("model.layers.*.mlp", "**.o_proj.input")
     assert "model.layers.0.mlp" in p.tap_paths and "model.layers.1.mlp" in p.tap_paths

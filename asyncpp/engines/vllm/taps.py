@@ -620,12 +620,22 @@ class TapPlan:
         self.inside = frozenset(inside)
         sites = set()
         for r in self.roots:
+            # the layer lists: the module lists inside the root that no other list holds (a
+            # Llama's model.layers; an OPT's model.decoder.layers); their modules, the modules
+            # beside them (embeddings, final norm) and the root's children are the default taps
+            lists = [
+                i
+                for i in inside
+                if types[i] == "ModuleList"
+                and _under(self.paths[i], r)
+                and not any(types[index[a]] == "ModuleList" for a in _ancestors(self.paths[i], r))
+            ]
+            holders = {r} | {_parent(self.paths[i]) for i in lists}
             for i in sorted(inside):
-                p = self.paths[i]
-                parent = _parent(p)
-                if parent == r and types[i] != "ModuleList":
+                parent = _parent(self.paths[i])
+                if parent in holders and types[i] not in _CONTAINERS:
                     sites.add(i)
-                elif parent and _parent(parent) == r and types[index[parent]] == "ModuleList":
+                elif parent in index and index[parent] in lists:
                     sites.add(i)  # a decoder layer of the layer list
         self.unmatched = []
         by_kind: dict[str, set[int]] = {"": sites, ".input": set(), ".inputs": set()}
@@ -824,6 +834,16 @@ def _examples(plan: TapPlan, n: int = 6) -> str:
 
 def _parent(path: str) -> str | None:
     return path.rsplit(".", 1)[0] if "." in path else ("" if path else None)
+
+
+def _ancestors(path: str, root: str) -> list[str]:
+    """The modules strictly between ``root`` and ``path``."""
+    out = []
+    parent = _parent(path)
+    while parent is not None and parent != root and _under(parent, root):
+        out.append(parent)
+        parent = _parent(parent)
+    return out
 
 
 def _under(path: str, root: str) -> bool:
