@@ -66,3 +66,33 @@ def test_standard_view_false_runs_it_on_the_raw_tree(opt_checkpoint):
         ):
             with asyncpp.trace(eng) as t:
                 t.invoke("The quick brown fox", std)
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_engine_taps_its_layers_as_hugging_face_computes_them(opt_checkpoint):
+    """OPT's layer list is held deeper (``model.decoder.layers``): the default taps still find it,
+    so a compiled engine serves every layer's output."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(opt_checkpoint, dtype=torch.float32)
+    seen = []
+    for layer in hf.model.decoder.layers:
+        layer.register_forward_hook(
+            lambda mod, args, out: seen.append((out[0] if isinstance(out, tuple) else out)[0])
+        )
+    prompt = "The quick brown fox"
+    with torch.no_grad():
+        hf(torch.tensor([list(prompt.encode())]))
+
+    async def layers(m):
+        return [(await layer.output).clone() for layer in m.model.decoder.layers]
+
+    with asyncpp.VllmEngine(opt_checkpoint, dtype="float32", mode="compiled", standard_view=False) as eng:
+        assert {"model.decoder.layers.0", "model.decoder.layers.1", "model.decoder.final_layer_norm"} <= set(
+            eng.taps
+        )
+        with asyncpp.trace(eng) as t:
+            h = t.invoke(list(prompt.encode()), layers)
+    assert len(h.result) == 2
+    for ours, theirs in zip(h.result, seen):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
