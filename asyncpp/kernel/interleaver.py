@@ -21,13 +21,14 @@ engine adds (:class:`.hooks.RunHooks`, handed over at creation).
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from . import batching, budget, grad, messages, traps, visits
+from . import batching, grad, messages, visits
 from .answers import MISS, NOTHING, PARKED, RUN_BACKWARD, Throw
 from .block import Block, GatherState, Wait
 from .errors import ForeignAwaitError, InternalError, WriteError
@@ -758,7 +759,7 @@ class Interleaver:
         block.done = True
         self.table.unpark(block, block.waiting)
         block.seen = block.session = None
-        block.error = err.with_traceback(messages.user_traceback(err.__traceback__, _KERNEL_FILES))
+        block.error = err.with_traceback(messages.user_traceback(err.__traceback__, _PACKAGE))
 
 
 # the trap handlers, by trap kind: handler(interleaver, block, trap) -> value | Throw | PARKED
@@ -773,6 +774,6 @@ _HANDLERS: dict[int, Callable[[Interleaver, Block, Any], Any]] = {
     BACKWARD: grad.on_backward,
 }
 
-_KERNEL_FILES = frozenset((__file__, traps.__file__, grad.__file__, budget.__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # asyncpp's own files
 
 __all__ = ["Block", "Interleaver", "InternalError", "MISS", "PARKED", "RunHooks", "Throw"]

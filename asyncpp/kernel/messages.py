@@ -87,24 +87,28 @@ def foreign(msg: Any) -> ForeignAwaitError:
     )
 
 
-def user_traceback(tb: Any, kernel_files: frozenset[str]) -> Any:
-    """Drop the kernel's frames before the block and the trap frames after its ``await``, so the
-    traceback starts and ends in the user's code."""
-    while tb is not None and tb.tb_frame.f_code.co_filename in kernel_files:
-        tb = tb.tb_next
+def user_traceback(tb: Any, internal: str) -> Any:
+    """Drop asyncpp's frames before the block and after its ``await`` (the files under the folder
+    ``internal``), so the traceback starts and ends in the user's code; all of it when every frame
+    is asyncpp's (a block of asyncpp's own)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename.startswith(internal):
+        first = first.tb_next
+    if first is None:
+        return tb
     last_user = None
-    cur = tb
+    cur = first
     while cur is not None:
-        if cur.tb_frame.f_code.co_filename in kernel_files:
+        if cur.tb_frame.f_code.co_filename.startswith(internal):
             if last_user is not None and all(
-                t.tb_frame.f_code.co_filename in kernel_files for t in _walk(cur)
+                t.tb_frame.f_code.co_filename.startswith(internal) for t in _walk(cur)
             ):
                 last_user.tb_next = None
                 break
         else:
             last_user = cur
         cur = cur.tb_next
-    return tb
+    return first
 
 
 def _walk(tb: Any):

@@ -36,6 +36,21 @@ def test_order_error_at_users_line_names_both_locations(mlp):
     assert _no_controllers(mlp)
 
 
+def test_a_refused_write_ends_its_traceback_at_the_users_line(mlp):
+    x = torch.randn(2, 8)
+
+    async def block(m):
+        h = await m[0].output
+        await m[2].output.set(h[:1])  # one row of two
+
+    with pytest.raises(asyncpp.WriteError, match=r"2.output: the replacement has shape \(1, 8\)") as info:
+        with asyncpp.trace(mlp) as t:
+            t.invoke(x, block)
+    name, line = _frames(info.value)[-1]
+    assert name == "block" and "set(h[:1])" in line
+    assert _no_controllers(mlp)
+
+
 def test_never_reached_names_the_location_and_runs_finally(twice):
     x = torch.randn(2, 8)
     log = []
