@@ -266,6 +266,30 @@ def test_32_concurrent_traces_equal_their_runs_alone(vllm_engine):
         _same(a, b)
 
 
+def test_a_refused_write_fails_its_request_at_the_users_line(vllm_engine):
+    async def too_short(m):
+        h, r = await m.model.layers[1].output
+        await m.model.layers[1].output.at(0)  # (the same call: served at once)
+        await m.model.layers[2].output.set((h[:1], r[:1]))
+
+    async def fine(m):
+        return int((await m.logits).argmax(-1))
+
+    with pytest.raises(
+        asyncpp.WriteError, match=r"model.layers.2.output\[0\]: the replacement has shape"
+    ) as info:
+        with asyncpp.trace(vllm_engine) as t:
+            t.invoke("Hello, world", too_short)
+            other = t.invoke("Hello", fine)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    worker_frames = notes.split("Traceback on the worker (most recent call last):", 1)[1]
+    lines = worker_frames.strip().splitlines()
+    last = max(i for i, line in enumerate(lines) if line.strip().startswith('File "'))
+    assert "test_vllm_engine.py" in lines[last] and ".set((h[:1], r[:1]))" in lines[last + 1]
+    assert "batching.py" not in worker_frames and "visits.py" not in worker_frames
+    assert isinstance(other.result, int)
+
+
 def test_a_failing_block_fails_only_its_request(vllm_engine):
     async def boom(m):
         await m.model.layers[0].output
