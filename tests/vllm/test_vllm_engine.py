@@ -529,6 +529,32 @@ def test_a_prompt_split_across_steps_fails_its_request_clearly():
         engine.close()
 
 
+@pytest.mark.timeout(240)
+def test_a_prompt_vllm_takes_from_its_prefix_cache_fails_its_request_clearly():
+    # with prefix caching on (asyncpp's default is off) a repeated prompt's cached tokens are
+    # never computed: a block would see only the tail, so its request fails instead
+    engine = asyncpp.VllmEngine(dtype="float32", mode="eager", enable_prefix_caching=True)
+    try:
+
+        async def block(m):
+            return int((await m.logits).argmax(-1))
+
+        prompt = "the same long prompt, " * 14  # 308 tokens: whole blocks of the cache (128 on CPU)
+        with asyncpp.trace(engine) as t:
+            first = t.invoke(prompt, block)
+        with pytest.raises(
+            RuntimeError, match=r"from its prefix cache.*block was not run.*enable_prefix_caching"
+        ):
+            with asyncpp.trace(engine) as t:
+                t.invoke(prompt, block)
+                plain = t.invoke(prompt)  # no block: vLLM's cache serves it as usual
+                other = t.invoke("a prompt of its own", block)
+        assert plain.tokens.tolist() == first.tokens.tolist() == [[first.result]]
+        assert isinstance(other.result, int)
+    finally:
+        engine.close()
+
+
 def test_a_prompt_must_leave_room_for_one_token(vllm_engine):
     async def first_token(m):
         return int((await m.samples).sampled_token_ids[0, 0])

@@ -409,7 +409,14 @@ class WorkerSession:
             self.by_aid[aid] = new.req_id
             prompt = len(new.prompt_token_ids or ())
             scheduled = so.num_scheduled_tokens.get(new.req_id, 0)
-            if new.num_computed_tokens + scheduled < prompt:
+            if new.num_computed_tokens > 0:
+                req.error = RuntimeError(
+                    f"vLLM took the first {new.num_computed_tokens} of the prompt's {prompt} tokens "
+                    f"from its prefix cache and did not compute them; asyncpp presents a prompt to a "
+                    f"block whole, so this request's block was not run. Keep enable_prefix_caching "
+                    f"off (asyncpp's default)"
+                )
+            elif new.num_computed_tokens + scheduled < prompt:
                 req.error = RuntimeError(
                     f"vLLM scheduled only {scheduled} of the prompt's {prompt} tokens in one step; "
                     f"asyncpp presents a prompt to a block whole, so this request's block was not run. "
