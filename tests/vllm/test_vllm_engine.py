@@ -555,6 +555,47 @@ def test_a_prompt_vllm_takes_from_its_prefix_cache_fails_its_request_clearly():
         engine.close()
 
 
+@pytest.mark.timeout(240)
+def test_a_request_vllm_preempts_fails_clearly_and_the_others_run_on():
+    # a KV cache of 4 MiB holds about 1000 tokens: 8 requests of 200 + 100 tokens do not fit, so
+    # vLLM preempts some and computes them again later, which a block's earlier writes would not
+    # be part of
+    engine = asyncpp.VllmEngine(dtype="float32", mode="eager", kv_cache_gib=0.004, max_num_seqs=8)
+    try:
+
+        async def rows_per_step(m):
+            rows = []
+            async for _step in m.steps():
+                h, _r = await m.model.layers[1].output
+                rows.append(h.shape[0])
+            return rows
+
+        async def one(i):
+            async with asyncpp.generate(engine, max_new_tokens=100) as t:
+                h = t.invoke(chr(97 + i) * 200, rows_per_step)
+            return h.result
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(8)), return_exceptions=True)
+
+        results = asyncio.run(main())
+        for r in results:
+            if not isinstance(r, Exception):
+                assert r == [200] + [1] * 99  # never a step of recomputed rows
+        stopped = [r for r in results if isinstance(r, Exception)]
+        if not stopped:
+            pytest.skip("vLLM preempted no request this time")
+        for r in stopped:
+            assert isinstance(r, RuntimeError) and "vLLM preempted this request" in str(r), r
+            assert "kv_cache_gib" in str(r)
+        assert all(s["requests"] == 0 and s["blocks"] == 0 for s in engine.worker_stats())  # all ended
+        with asyncpp.generate(engine, max_new_tokens=3) as t:  # the engine goes on
+            h = t.invoke("Hello", rows_per_step)
+        assert h.result[1:] == [1, 1]
+    finally:
+        engine.close()
+
+
 def test_a_prompt_must_leave_room_for_one_token(vllm_engine):
     async def first_token(m):
         return int((await m.samples).sampled_token_ids[0, 0])

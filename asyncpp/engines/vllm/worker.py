@@ -423,6 +423,12 @@ class WorkerSession:
                     f"Keep chunked prefill off, long_prefill_token_threshold at 0 and "
                     f"max_num_batched_tokens at least as long as the longest prompt"
                 )
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        if resumed:
+            for rid in sorted(resumed):  # a set: the same order on every rank
+                req = self.requests.get(rid)
+                if req is not None and req.block is not None and not req.block.done:
+                    self._stop(rid, req, so.num_scheduled_tokens.get(rid, 0))
         finished = [rid for rid in so.finished_req_ids if rid in self.requests]
         if finished:
             with self.sender.hold():
@@ -430,6 +436,20 @@ class WorkerSession:
                     self._finish(rid)
         if self.stage is not None:
             self.stage.serve()  # a serve point: the previous round has been sent on
+
+    def _stop(self, rid: str, req: _Request, tokens: int) -> None:
+        """vLLM preempted the request (the KV cache was full) and now computes its tokens again:
+        the recomputation would not hold what its block wrote before, and a block cannot run its
+        steps twice, so the block is closed (its ``finally`` runs) and the request fails."""
+        block = req.block
+        block.error = RuntimeError(
+            f"vLLM preempted this request (its KV cache was needed for other requests) and computes "
+            f"its {tokens} tokens again; that recomputation would not hold what the block wrote, so "
+            f"the block was stopped. Give the engine more KV cache (kv_cache_gib) or fewer requests "
+            f"at once (max_num_seqs)"
+        )
+        self.kernel.forget(block)
+        self.stepping.pop(rid, None)
 
     def after_forward(self, so: Any, sampled_later: bool) -> None:
         """(Live requests only) the step's forward is done: mark it now, or after its sampling
