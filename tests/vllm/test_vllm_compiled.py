@@ -224,6 +224,10 @@ def test_modes_and_options_are_checked():
         asyncpp.VllmEngine(mode="eager", taps=["model.layers.*.mlp"])
     with pytest.raises(ValueError, match="not enforce_eager as well"):
         asyncpp.VllmEngine(mode="eager", enforce_eager=True)
+    with pytest.raises(ValueError, match="does not run speculative decoding"):
+        asyncpp.VllmEngine(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="needs asyncpp's worker class"):
+        asyncpp.VllmEngine(worker_cls="vllm.v1.worker.cpu_worker.CPUWorker")
 
 
 def test_a_second_engine_loads_the_compiled_model_from_vllms_cache(compiled):

@@ -81,6 +81,12 @@ def engine_options(
     options["additional_config"] = extra
     if options["worker_cls"] != WORKER:
         raise ValueError("VllmEngine needs asyncpp's worker class; leave worker_cls unset")
+    if options.get("speculative_config") is not None:
+        raise ValueError(
+            "VllmEngine does not run speculative decoding (speculative_config): a step would hold "
+            "several proposed tokens of a request, some of them then rejected, so a block's steps "
+            "would not be its tokens; leave speculative_config unset"
+        )
     if nodes(options) > 1:
         _multinode(options)
     return EngineOptions(options, run_mode, patterns, default_model)
