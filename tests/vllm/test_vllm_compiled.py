@@ -226,6 +226,8 @@ def test_modes_and_options_are_checked():
         asyncpp.VllmEngine(mode="eager", enforce_eager=True)
     with pytest.raises(ValueError, match="does not run speculative decoding"):
         asyncpp.VllmEngine(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="runs one data-parallel rank, not data_parallel_size=2"):
+        asyncpp.VllmEngine(data_parallel_size=2)
     with pytest.raises(ValueError, match="needs asyncpp's worker class"):
         asyncpp.VllmEngine(worker_cls="vllm.v1.worker.cpu_worker.CPUWorker")
 

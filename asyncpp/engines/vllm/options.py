@@ -81,6 +81,13 @@ def engine_options(
     options["additional_config"] = extra
     if options["worker_cls"] != WORKER:
         raise ValueError("VllmEngine needs asyncpp's worker class; leave worker_cls unset")
+    if int(options.get("data_parallel_size") or 1) != 1:
+        raise ValueError(
+            f"VllmEngine runs one data-parallel rank, not data_parallel_size="
+            f"{options['data_parallel_size']}: vLLM would split the requests over engines that "
+            f"asyncpp's engine-wide calls (taps, worker_stats, ...) do not all reach. For more "
+            f"throughput create several engines, or use tensor or pipeline parallelism"
+        )
     if options.get("speculative_config") is not None:
         raise ValueError(
             "VllmEngine does not run speculative decoding (speculative_config): a step would hold "
