@@ -472,6 +472,24 @@ def test_outcomes_come_with_the_requests_end_and_only_abandoned_requests_are_col
         assert stats["requests"] == 0 and stats["blocks"] == 0 and stats["emitting"] == 0
 
 
+def test_a_sampled_token_edited_in_place_is_the_token_the_request_gets_and_goes_on_from(vllm_engine):
+    async def force_first(m, token):
+        async for step in m.steps():
+            samples = await m.samples
+            if step == 0:
+                samples.sampled_token_ids[0, 0] = token
+
+    prompt = [72, 101, 108, 108, 111]  # token ids: no special token added
+    with asyncpp.generate(vllm_engine, max_new_tokens=4) as t:
+        forced = t.invoke(prompt, force_first, 65)
+        free = t.invoke(prompt)
+    with asyncpp.generate(vllm_engine, max_new_tokens=3) as t:
+        after = t.invoke(prompt + [65])  # the model's own continuation of the forced token
+    assert free.tokens[0, 0] != 65
+    assert forced.tokens.tolist() == [[65] + after.tokens[0].tolist()]
+    assert forced.output.outputs[0].token_ids[0] == 65
+
+
 def test_logits_kept_across_sampling_are_the_served_ones(vllm_engine):
     # vLLM's sampler divides the logits by the temperature in place; a block that keeps the
     # logits past the sampling step must still hold what it was served
