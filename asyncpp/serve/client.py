@@ -111,8 +111,7 @@ class RemoteEngine(Engine):
             )
 
     def _body(self, spec: RunSpec, params: dict[str, list[str]], *, stream: bool = False) -> bytes:
-        self.check_options(spec)
-        sampling = dict(spec.model_kwargs)
+        sampling = dict(spec.model_kwargs)  # (checked when the trace was made: check_options)
         invokes = []
         for inv in spec.invokes:
             entry: dict[str, Any] = {"prompt": _prompt(inv.input)}

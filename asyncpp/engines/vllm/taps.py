@@ -623,13 +623,13 @@ class TapPlan:
             # the layer lists: the module lists inside the root that no other list holds (a
             # Llama's model.layers; an OPT's model.decoder.layers); their modules, the modules
             # beside them (embeddings, final norm) and the root's children are the default taps
-            lists = [
+            lists = {
                 i
                 for i in inside
                 if types[i] == "ModuleList"
                 and _under(self.paths[i], r)
                 and not any(types[index[a]] == "ModuleList" for a in _ancestors(self.paths[i], r))
-            ]
+            }
             holders = {r} | {_parent(self.paths[i]) for i in lists}
             for i in sorted(inside):
                 parent = _parent(self.paths[i])
