@@ -30,9 +30,12 @@ class RunHooks:
       waited on were served (a pipeline stage publishes it for the other stages).
     * ``on_pull(block, pull) -> value | Throw | PARKED``: ``await`` of a cross-stage value.
     * ``request_level``: modules with one row per request (logits, samples), not one per token.
-    * ``shard_out`` / ``shard_in``: module index -> a sharding with ``gather(local)`` and
-      ``split(whole, local)``: outputs / first inputs each tensor-parallel rank holds a slice of,
-      gathered whole for the blocks at a visit some block waits on, split again after.
+    * ``adapt_out`` / ``adapt_in``: module index -> an adapter, for values the model holds in
+      another form than blocks see them (a tensor-parallel rank's slice, gathered whole; a
+      Transformers-backend module's batch dimension of one, dropped). At a visit some block waits
+      on, ``to_blocks(held)`` gives what blocks are served and ``to_model(seen, held)`` what the
+      model goes on with after them. ``held`` is the output, or for ``adapt_in`` the call's
+      ``(args, kwargs)``.
     * ``copy_after``: modules whose output the model edits in place after the call (vLLM's sampler
       divides the logits by the temperature): once blocks have seen it, the model gets a copy.
     * ``refuse(index, kind) -> error | None``: asked before a block parks on a location; an error
@@ -47,8 +50,8 @@ class RunHooks:
     publish: Callable[[int, int, int, Any, list], None] | None = None
     on_pull: Callable[[Any, Any], Any] | None = None
     request_level: frozenset[int] = frozenset()
-    shard_out: Mapping[int, Any] | None = None  # (None: no shards)
-    shard_in: Mapping[int, Any] | None = None
+    adapt_out: Mapping[int, Any] | None = None  # (None: no adapters)
+    adapt_in: Mapping[int, Any] | None = None
     copy_after: frozenset[int] = frozenset()
     refuse: Callable[[int, int], BaseException | None] | None = None
     refuse_at: AbstractSet[int] = frozenset()
@@ -60,9 +63,9 @@ class RunHooks:
         return self.intercept is None and self.publish is None
 
     def special_modules(self) -> frozenset[int]:
-        """Modules whose values the kernel transforms on the way (narrowed per request, gathered
-        from shards, copied after): the fast path leaves their calls to the kernel."""
-        return self.request_level | frozenset(self.shard_out or ()) | self.copy_after
+        """Modules whose values the kernel transforms on the way (narrowed per request, adapted,
+        copied after): the fast path leaves their calls to the kernel."""
+        return self.request_level | frozenset(self.adapt_out or ()) | self.copy_after
 
     def with_(self, **changes: Any) -> RunHooks:
         """These hooks with some replaced (an engine adds its pipeline stage's to its own)."""

@@ -461,16 +461,16 @@ class Interleaver:
         base = index * 4
         waits = self.table.waits
         if base in waits or base + 1 in waits or base + 3 in waits:
-            shard_in = self.hooks.shard_in
-            shard = shard_in.get(index) if shard_in else None
-            if shard is not None and args:
-                local = args[0]
-                args = (shard.gather(local), *args[1:])
+            adapt_in = self.hooks.adapt_in
+            adapter = adapt_in.get(index) if adapt_in else None
+            if adapter is not None:
+                held = (args, kwargs)
+                args, kwargs = adapter.to_blocks(held)
             v = Visit(index, n, INPUT, args, kwargs)
             self._serve_visit(v, (INPUT, INPUTS, SKIP))
             args, kwargs, skip = v.args, v.kwargs, v.skip
-            if shard is not None and args:
-                args = (shard.split(args[0], local), *args[1:])
+            if adapter is not None:
+                args, kwargs = adapter.to_model((args, kwargs), held)
             if skip is not NOTHING:
                 return self.visit_output(index, skip)
         return self.visit_output(index, forward(*args, **kwargs))
@@ -494,15 +494,16 @@ class Interleaver:
         waits = self.table.waits
         if all(index * 4 + kind not in waits for kind in kinds):
             return args, kwargs
-        shard_in = self.hooks.shard_in
-        shard = shard_in.get(index) if shard_in else None
-        local = args[0] if shard is not None and args else None
-        if local is not None:
-            args = (shard.gather(local), *args[1:])
+        adapt_in = self.hooks.adapt_in
+        adapter = adapt_in.get(index) if adapt_in else None
+        if adapter is not None:
+            held = (args, kwargs)
+            args, kwargs = adapter.to_blocks(held)
         v = Visit(index, n, INPUT, args, kwargs)
         self._serve_visit(v, kinds)
-        new = v.args
-        return (new if local is None else (shard.split(new[0], local), *new[1:])), v.kwargs
+        if adapter is not None:
+            return adapter.to_model((v.args, v.kwargs), held)
+        return v.args, v.kwargs
 
     def visit_output(self, index: int, out: Any) -> Any:
         """Finish a call of module ``index``: count it, serve its output waits."""
@@ -539,8 +540,8 @@ class Interleaver:
                     out, v.out = v.out, None
                     return out
         hooks = self.hooks
-        shard = hooks.shard_out.get(index) if hooks.shard_out else None
-        v = Visit(index, n, OUTPUT, out=out if shard is None else shard.gather(out))
+        adapter = hooks.adapt_out.get(index) if hooks.adapt_out else None
+        v = Visit(index, n, OUTPUT, out=out if adapter is None else adapter.to_blocks(out))
         prev, self.serving = self.serving, v
         try:
             due = self._serve_waits(v, OUTPUT, key, lst)
@@ -552,7 +553,7 @@ class Interleaver:
             visits.rebuild(v)
         if hooks.publish is not None and due:
             hooks.publish(index, OUTPUT, n, v.out, due)
-        out = v.out if shard is None else shard.split(v.out, out)
+        out = v.out if adapter is None else adapter.to_model(v.out, out)
         return batching.copy(out) if index in hooks.copy_after else out
 
     def _serve_visit(self, v: Visit, kinds: tuple) -> None:

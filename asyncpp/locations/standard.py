@@ -91,6 +91,14 @@ LLAMA = Layout("model.layers", "self_attn", "mlp|block_sparse_moe", "model.embed
 GEMMA = Layout("model.layers", "self_attn", "mlp", "model.embed_tokens", "model.norm", False)
 PHI = Layout("model.layers", "self_attn", "mlp", "model.embed_tokens", "model.final_layernorm")
 GPT2 = Layout("transformer.h", "attn", "mlp", "transformer.wte", "transformer.ln_f", False)
+# (vLLM's Transformers backend holds the base model as ``model``, whatever Hugging Face calls it)
+GPT_NEOX = Layout(
+    "gpt_neox.layers|model.layers",
+    "attention",
+    "mlp",
+    "gpt_neox.embed_in|model.embed_in",
+    "gpt_neox.final_layer_norm|model.final_layer_norm",
+)
 
 #: the model families with a standard view, by their top-level class (on Hugging Face and vLLM)
 FAMILIES: dict[str, Layout] = {
@@ -108,8 +116,9 @@ FAMILIES: dict[str, Layout] = {
     "MixtralForCausalLM": LLAMA,
     "PhiForCausalLM": PHI,
     "GPT2LMHeadModel": GPT2,
+    "GPTNeoXForCausalLM": GPT_NEOX,
 }
-_LAYOUTS = (LLAMA, PHI, GPT2)  # tried in turn for a class not in FAMILIES
+_LAYOUTS = (LLAMA, PHI, GPT2, GPT_NEOX)  # tried in turn for a class not in FAMILIES
 
 
 def find_layout(root: Root) -> Layout:

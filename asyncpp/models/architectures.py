@@ -44,6 +44,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "phi": ("PhiConfig", "PhiForCausalLM", {"partial_rotary_factor": 0.5}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "use_parallel_residual": True}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 256}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": (
@@ -80,6 +81,8 @@ def tiny_config(arch: str, checkpoint: bool = False) -> Any:
             "max_position_embeddings",
         ):
             values.pop(k)
+    if arch == "gpt_neox":  # (multi-head attention only: vLLM would size its KV cache by this)
+        values.pop("num_key_value_heads")
     values.update(overrides)
     if checkpoint:
         values.update(_checkpoint_overrides(arch))

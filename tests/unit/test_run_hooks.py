@@ -30,7 +30,7 @@ def test_every_hook_is_off_by_default_and_the_fast_path_follows_the_hooks():
     assert not RunHooks(publish=lambda *a: None).fast_path
     assert not RunHooks(intercept=lambda *a: None).fast_path
     assert RunHooks(on_step=lambda s: [], on_emit=lambda b, v: None).fast_path  # they see no values
-    sharded = RunHooks(request_level=frozenset({3}), shard_out={5: object()}, copy_after=frozenset({7}))
+    sharded = RunHooks(request_level=frozenset({3}), adapt_out={5: object()}, copy_after=frozenset({7}))
     assert sharded.special_modules() == {3, 5, 7}
     assert sharded.with_(copy_after=frozenset()).special_modules() == {3, 5}
     names = ["", "a", "b"]

@@ -27,9 +27,10 @@ class Sharding:
         self.local_sizes = list(local_sizes)
         self.tp, self.rank, self.group = tp, rank, group
 
-    def gather(self, value: Any) -> Any:
+    def to_blocks(self, value: Any) -> Any:
+        """The whole of this rank's slice ``value`` (all-gathered across the group)."""
         if isinstance(value, tuple):  # a linear's (output, bias)
-            return (self.gather(value[0]), *value[1:])
+            return (self.to_blocks(value[0]), *value[1:])
         if not isinstance(value, Tensor):
             return value
         parts = self.group.all_gather(value.contiguous(), dim=-1)  # [.. | rank0 | rank1 | ..]
@@ -40,10 +41,10 @@ class Sharding:
             [torch.cat([s[j] for s in subs], dim=-1) for j in range(len(self.local_sizes))], dim=-1
         )
 
-    def split(self, whole: Any, local: Any) -> Any:
+    def to_model(self, whole: Any, local: Any) -> Any:
         """This rank's slice of ``whole`` (shaped like ``local``, the value before the gather)."""
         if isinstance(whole, tuple):
-            return (self.split(whole[0], local[0]), *whole[1:])
+            return (self.to_model(whole[0], local[0]), *whole[1:])
         if not isinstance(whole, Tensor):
             return whole
         pieces = whole.split([n * self.tp for n in self.local_sizes], dim=-1)
@@ -55,10 +56,31 @@ class Sharding:
         return out
 
 
+class FirstArgument:
+    """A call whose first positional argument is sharded (a row-parallel linear's input), as an
+    adapter of the call's ``(args, kwargs)``."""
+
+    __slots__ = ("sharding",)
+
+    def __init__(self, sharding: Sharding):
+        self.sharding = sharding
+
+    def to_blocks(self, call: tuple[tuple, dict]) -> tuple[tuple, dict]:
+        args, kwargs = call
+        return ((self.sharding.to_blocks(args[0]), *args[1:]), kwargs) if args else call
+
+    def to_model(self, call: tuple[tuple, dict], held: tuple[tuple, dict]) -> tuple[tuple, dict]:
+        args, kwargs = call
+        if not args or not held[0]:
+            return call
+        return (self.sharding.to_model(args[0], held[0][0]), *args[1:]), kwargs
+
+
 def find_shardings(
     modules: list[nn.Module], paths: list[str]
-) -> tuple[dict[int, Sharding], dict[int, Sharding]]:
-    """The module indices whose output (first dict) or first input (second) is TP-sharded."""
+) -> tuple[dict[int, Sharding], dict[int, FirstArgument]]:
+    """The module indices whose output (first dict) or first input (second) is TP-sharded, as the
+    kernel's adapters (``RunHooks.adapt_out`` / ``adapt_in``)."""
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
@@ -71,7 +93,7 @@ def find_shardings(
         return {}, {}
     rank, group = get_tensor_model_parallel_rank(), get_tp_group()
     outputs: dict[int, Sharding] = {}
-    inputs: dict[int, Sharding] = {}
+    inputs: dict[int, FirstArgument] = {}
     by_path = {p: i for i, p in enumerate(paths)}
     for index, (module, path) in enumerate(zip(modules, paths)):
         if isinstance(module, ColumnParallelLinear) and not getattr(module, "gather_output", False):
@@ -81,7 +103,7 @@ def find_shardings(
             outputs[index] = Sharding(sizes, tp, rank, group)
         elif isinstance(module, RowParallelLinear) and getattr(module, "input_is_parallel", True):
             width = module.input_size_per_partition
-            inputs[index] = Sharding([width], tp, rank, group)
+            inputs[index] = FirstArgument(Sharding([width], tp, rank, group))
             # the sibling that produces that input (vLLM's Llama: act_fn -> down_proj, attn -> o_proj)
             parent = path.rpartition(".")[0]
             for sibling in ("act_fn", "attn"):

@@ -43,7 +43,7 @@ from ...native.controllers import Controllers
 from ...pp.ownership import Ownership, report
 from ...pp.pulls import PullService
 from ...pp.stage import StageSession
-from . import lifeline, taps
+from . import backend, lifeline, taps
 from .full_model import GraftCost, graft_full_model
 from .keys import ALIASES, EAGER_KEY, EXTRA_KEY, ID_KEY, LIVE_KEY, NUM_KEY
 from .links import hold_link
@@ -184,19 +184,12 @@ class _Request:
         self.error: BaseException | None = None  # a failure before the block could start
 
 
-def _refuse_transformers_backend(model: Any, runner: Any) -> None:
-    """vLLM's Transformers backend (its fallback for a model it has no class of its own for, or
-    ``model_impl="transformers"``) runs the Hugging Face modules on every request of a step as one
-    ``[1, tokens, ...]`` sequence: a block would get every request's tokens, not its own rows."""
-    if not type(model).__module__.startswith("vllm.model_executor.models.transformers"):
-        return
-    config = getattr(runner, "model_config", None)
-    arch = ", ".join(getattr(getattr(config, "hf_config", None), "architectures", None) or ["this model"])
-    raise AsyncppError(
-        f"asyncpp cannot run {arch} on vLLM yet: vLLM runs it through its Transformers backend "
-        f"({type(model).__name__}), whose modules see every request of a step as one sequence "
-        f"([1, tokens, ...]), so a block could not be given its own request's rows. Run it with "
-        f"asyncpp.LocalEngine (Hugging Face), or use a model vLLM implements itself"
+def _refuse_unsupported_backend(model: Any, runner: Any) -> None:
+    config = runner.vllm_config
+    arch = ", ".join(getattr(config.model_config.hf_config, "architectures", None) or ["this model"])
+    parallel = config.parallel_config
+    backend.refuse_unsupported(
+        model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, arch
     )
 
 
@@ -206,7 +199,7 @@ class WorkerSession:
     def __init__(self, runner: Any):
         self.runner = runner
         model = runner.model
-        _refuse_transformers_backend(model, runner)
+        _refuse_unsupported_backend(model, runner)
         self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
         self.of_block: dict[int, _Request] = {}  # id(block) -> its request
         self._starting: _Request | None = None  # the request whose block is starting
@@ -245,15 +238,17 @@ class WorkerSession:
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
             arg_names = taps.tap_modules(modules, self.paths, self.plan)
         self.controllers = Controllers(controlled)
-        shard_out, shard_in = find_shardings(modules, self.paths)
+        adapt_out, adapt_in = find_shardings(modules, self.paths)
+        if backend.is_backend_model(model):  # (one worker: no shardings to merge with)
+            adapt_out, adapt_in = backend.batch_dim_adapters(model, modules, self.paths)
         hooks = RunHooks(
             on_step=self._on_step,
             on_emit=self._on_emit,
             request_level=frozenset(
                 i for i, p in enumerate(self.paths) if _under(p, "logits_processor") or _under(p, "sampler")
             ),
-            shard_out=shard_out,
-            shard_in=shard_in,
+            adapt_out=adapt_out,
+            adapt_in=adapt_in,
             # the sampler edits the logits in place (temperature): blocks keep what they were served
             copy_after=frozenset(i for i, p in enumerate(self.paths) if p == "logits_processor"),
             refuse=None if self.plan is None else self.plan.refuse,

@@ -1,0 +1,129 @@
+"""Models vLLM runs through its Transformers backend, seen as flat token rows.
+
+vLLM runs a model it has no class of its own for (Phi, GPT-NeoX / Pythia, OLMo, ...), or any model
+with ``model_impl="transformers"``, by calling the Hugging Face modules on all of a step's tokens
+as one sequence: every module below the backend's ``model`` sees ``[1, tokens, ...]``, where vLLM's
+own classes see ``[tokens, ...]``. The kernel narrows a block's rows along the first dimension, so
+at a visit some block waits on those values are served with the batch dimension of one dropped
+(views: in-place edits land in the model) and the model goes on with it put back. The attention
+layers vLLM hangs inside the Hugging Face attention modules already take flat tokens and are left
+as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from ...kernel.errors import AsyncppError
+
+_PACKAGE = "vllm.model_executor.models.transformers"
+
+
+def is_backend_model(model: nn.Module) -> bool:
+    """Whether vLLM runs ``model`` through its Transformers backend."""
+    return type(model).__module__.startswith(_PACKAGE)
+
+
+def _drop(value: Any) -> Any:
+    if type(value) is Tensor or isinstance(value, Tensor):
+        return value[0] if value.ndim and value.shape[0] == 1 else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_drop(v) for v in value)
+    if isinstance(value, list):
+        return [_drop(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _drop(v) for k, v in value.items()}
+    return value
+
+
+def _is_row_view(seen: Tensor, held: Tensor) -> bool:
+    """Whether ``seen`` is ``held[0]`` itself (what :func:`_drop` served, maybe edited in place)."""
+    return (
+        seen.data_ptr() == held.data_ptr()
+        and seen.shape == held.shape[1:]
+        and seen.stride() == held.stride()[1:]
+    )
+
+
+def _restore(seen: Any, held: Any) -> Any:
+    if isinstance(held, Tensor):
+        if not (held.ndim and held.shape[0] == 1) or not isinstance(seen, Tensor):
+            return seen
+        if _is_row_view(seen, held):
+            return held
+        return seen.unsqueeze(0) if seen.ndim == held.ndim - 1 else seen
+    if isinstance(held, tuple) and not hasattr(held, "_fields"):
+        if isinstance(seen, tuple) and len(seen) == len(held):
+            return tuple(_restore(s, h) for s, h in zip(seen, held))
+        return seen
+    if isinstance(held, list) and isinstance(seen, list) and len(seen) == len(held):
+        return [_restore(s, h) for s, h in zip(seen, held)]
+    if isinstance(held, dict) and isinstance(seen, dict):
+        return {k: _restore(v, held[k]) if k in held else v for k, v in seen.items()}
+    return seen
+
+
+class DropBatchDim:
+    """The adapter of one backend module's output (``RunHooks.adapt_out``): tensors of leading
+    size one are served without that dimension, inside tuples, lists and dicts."""
+
+    __slots__ = ()
+
+    def to_blocks(self, held: Any) -> Any:
+        return _drop(held)
+
+    def to_model(self, seen: Any, held: Any) -> Any:
+        return _restore(seen, held)
+
+
+class DropBatchDimOfCall(DropBatchDim):
+    """The same for a call's ``(args, kwargs)`` (``RunHooks.adapt_in``)."""
+
+    __slots__ = ()
+
+    def to_blocks(self, held: tuple[tuple, dict]) -> tuple[tuple, dict]:
+        return _drop(held[0]), _drop(held[1])
+
+    def to_model(self, seen: tuple[tuple, dict], held: tuple[tuple, dict]) -> tuple[tuple, dict]:
+        return _restore(tuple(seen[0]), held[0]), _restore(dict(seen[1]), held[1])
+
+
+def batch_dim_adapters(
+    model: nn.Module, modules: list[nn.Module], paths: list[str]
+) -> tuple[dict[int, DropBatchDim], dict[int, DropBatchDimOfCall]]:
+    """The output and input adapters of the modules whose calls carry the batch dimension of one:
+    everything below the backend's ``model``, except vLLM's attention layers (flat tokens)."""
+    if not is_backend_model(model):
+        return {}, {}
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    flat = {
+        id(m)
+        for top in model.modules()
+        if isinstance(top, AttentionLayerBase)
+        for m in top.modules()
+    }
+    out, call = DropBatchDim(), DropBatchDimOfCall()
+    adapted = [
+        i
+        for i, (m, p) in enumerate(zip(modules, paths))
+        if m is not None and (p == "model" or p.startswith("model.")) and id(m) not in flat
+    ]
+    return dict.fromkeys(adapted, out), dict.fromkeys(adapted, call)
+
+
+def refuse_unsupported(model: nn.Module, tp: int, pp: int, architecture: str) -> None:
+    """Tensor and pipeline parallel engines over the Transformers backend are not supported yet."""
+    if not is_backend_model(model) or (tp == 1 and pp == 1):
+        return
+    raise AsyncppError(
+        f"asyncpp cannot run {architecture} with tensor or pipeline parallelism on vLLM yet "
+        f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp}): vLLM runs it through its "
+        f"Transformers backend ({type(model).__name__}), which asyncpp supports on one worker. "
+        f"Use tensor_parallel_size=1 and pipeline_parallel_size=1, or a model vLLM implements itself"
+    )
+
+
+__all__ = ["DropBatchDim", "DropBatchDimOfCall", "batch_dim_adapters", "is_backend_model", "refuse_unsupported"]
