@@ -99,12 +99,7 @@ def batch_dim_adapters(
         return {}, {}
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    flat = {
-        id(m)
-        for top in model.modules()
-        if isinstance(top, AttentionLayerBase)
-        for m in top.modules()
-    }
+    flat = {id(m) for top in model.modules() if isinstance(top, AttentionLayerBase) for m in top.modules()}
     out, call = DropBatchDim(), DropBatchDimOfCall()
     adapted = [
         i
@@ -126,4 +121,10 @@ def refuse_unsupported(model: nn.Module, tp: int, pp: int, architecture: str) ->
     )
 
 
-__all__ = ["DropBatchDim", "DropBatchDimOfCall", "batch_dim_adapters", "is_backend_model", "refuse_unsupported"]
+__all__ = [
+    "DropBatchDim",
+    "DropBatchDimOfCall",
+    "batch_dim_adapters",
+    "is_backend_model",
+    "refuse_unsupported",
+]

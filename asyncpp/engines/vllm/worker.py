@@ -188,9 +188,7 @@ def _refuse_unsupported_backend(model: Any, runner: Any) -> None:
     config = runner.vllm_config
     arch = ", ".join(getattr(config.model_config.hf_config, "architectures", None) or ["this model"])
     parallel = config.parallel_config
-    backend.refuse_unsupported(
-        model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, arch
-    )
+    backend.refuse_unsupported(model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, arch)
 
 
 class WorkerSession:
