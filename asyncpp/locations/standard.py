@@ -121,10 +121,11 @@ FAMILIES: dict[str, Layout] = {
 _LAYOUTS = (LLAMA, PHI, GPT2, GPT_NEOX)  # tried in turn for a class not in FAMILIES
 
 
-def find_layout(root: Root) -> Layout:
-    """The layout of ``root``'s model family; raises :class:`StandardViewError` naming what is
+def find_layout(root: Root, family: str | None = None) -> Layout:
+    """The layout of ``root``'s model family (``family``, a class name of :data:`FAMILIES`, where
+    the root module's class does not say it); raises :class:`StandardViewError` naming what is
     missing when no known layout fits."""
-    kind = root.module_type
+    kind = family or root.module_type
     known = FAMILIES.get(kind)
     if known is not None:
         layout, missing = known.resolve(root)
@@ -366,16 +367,22 @@ Head = Callable[[Layout], Callable[[Any], Any]]
 
 
 def attach(
-    root: Root, presenters: Presenters | None, error: str | None = None, head: Head | None = None
+    root: Root,
+    presenters: Presenters | None,
+    error: str | None = None,
+    head: Head | None = None,
+    family: str | None = None,
 ) -> StandardView | None:
     """Give ``root`` its standard view (``m.std``), built with the engine's presenters (and its
     ``head`` for ``std.unembed``); with ``presenters=None``, ``m.std`` raises ``error`` instead.
-    Raises :class:`StandardViewError` when the model's family has no standard view."""
+    ``family``: the model's class name where the root's is another (vLLM's Transformers backend
+    wraps the Hugging Face model). Raises :class:`StandardViewError` when the model's family has
+    no standard view."""
     if presenters is None:
         root.__dict__["_std"] = None
         root.__dict__["_std_error"] = error or "this engine has no standard view of its model"
         return None
-    view = StandardView(root, find_layout(root), presenters, head)
+    view = StandardView(root, find_layout(root, family), presenters, head)
     root.__dict__["_std"] = view
     return view
 

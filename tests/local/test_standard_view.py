@@ -286,3 +286,31 @@ def test_points_and_indexed_reads_are_served_by_the_controllers(engines, monkeyp
 
 async def _raw_layer_outputs(m):
     return [_first(await layer.output).clone() for layer in m.model.layers]
+
+
+def _backend_tree(*layer_children: str):
+    """The module tree of a model vLLM runs through its Transformers backend: vLLM's wrapper class
+    at the root, Hugging Face's base model under ``model``."""
+    from asyncpp.locations.tree import tree_from_paths
+
+    entries = [("", "TransformersForCausalLM"), ("model", "Model"), ("model.embed_tokens", "E")]
+    entries += [("model.layers", "ModuleList"), ("model.layers.0", "Layer")]
+    entries += [(f"model.layers.0.{c}", "M") for c in layer_children]
+    entries += [("model.norm", "N"), ("lm_head", "H")]
+    return tree_from_paths(entries, {})
+
+
+def test_a_wrapped_model_gets_its_familys_layout_by_name():
+    """Where the root's class is a wrapper's (vLLM's Transformers backend), the engine names the
+    family from the checkpoint: its own layout is used (Gemma's reads the stream at the first
+    layer's input, where a guess from the tree would take Llama's), and an error names it."""
+    from asyncpp.locations.standard import GEMMA, LLAMA, find_layout
+
+    tree = _backend_tree("self_attn", "mlp")
+    # (no family given: the first layout the tree fits, with its alternatives chosen)
+    assert find_layout(tree).embed_is_stream and find_layout(tree) == LLAMA.resolve(tree)[0]
+    assert find_layout(tree, "Gemma2ForCausalLM") == GEMMA and not GEMMA.embed_is_stream
+    with pytest.raises(StandardViewError, match=r"^Starcoder2ForCausalLM has no standard view"):
+        find_layout(_backend_tree("attention", "feed_forward"), "Starcoder2ForCausalLM")
+    with pytest.raises(StandardViewError, match=r"^PhiForCausalLM: the standard view expects"):
+        find_layout(tree, "PhiForCausalLM")  # (Phi's final norm is final_layernorm)

@@ -22,8 +22,10 @@ from asyncpp.models import build_tiny, tiny_checkpoint
 pytest.importorskip("vllm")
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2", "mixtral", "qwen2_moe"]
-# families vLLM runs through its Transformers backend (Hugging Face modules on [1, tokens, ...])
-BACKEND_ARCHS = ["phi", "gpt_neox"]
+# families vLLM runs through its Transformers backend (Hugging Face modules on [1, tokens, ...]),
+# and one it has a class of its own for, sent there with model_impl="transformers" (Gemma-2: the
+# standard view must know the family from the checkpoint, as the root is vLLM's wrapper class)
+BACKEND_ARCHS = ["phi", "gpt_neox", "gemma2+transformers"]
 # (architecture, tensor-parallel size, pipeline-parallel size): every architecture at PP=1; TP=2 on
 # a MoE with a shared expert (partial sums) and on Gemma-2 (its vocabulary-parallel embedding is also
 # its head); PP=2 on Llama (its norm and head on the last stage only) and on families that build
@@ -49,10 +51,16 @@ PROMPT = "The quick brown fox"
 def pair(request):
     """(Hugging Face engine, vLLM engine) on the same tiny checkpoint of one architecture."""
     arch, tp, pp, mode = request.param
+    arch, _, impl = arch.partition("+")
     path = tiny_checkpoint(arch)
     hf = asyncpp.LocalEngine(build_tiny(arch, checkpoint=True), AutoTokenizer.from_pretrained(path))
     vl = asyncpp.VllmEngine(
-        path, dtype="float32", mode=mode, tensor_parallel_size=tp, pipeline_parallel_size=pp
+        path,
+        dtype="float32",
+        mode=mode,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        **({"model_impl": impl} if impl else {}),
     )
     yield hf, vl
     vl.close()

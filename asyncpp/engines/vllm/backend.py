@@ -26,6 +26,15 @@ def is_backend_model(model: nn.Module) -> bool:
     return type(model).__module__.startswith(_PACKAGE)
 
 
+def family(model: nn.Module, hf_config: Any) -> str | None:
+    """The Hugging Face class a backend model wraps (``PhiForCausalLM``): its standard-view family;
+    None for vLLM's own model classes, whose class names say it."""
+    if not is_backend_model(model):
+        return None
+    names = getattr(hf_config, "architectures", None) or []
+    return names[0] if names else None
+
+
 def _drop(value: Any) -> Any:
     if type(value) is Tensor or isinstance(value, Tensor):
         return value[0] if value.ndim and value.shape[0] == 1 else value

@@ -170,7 +170,7 @@ class VllmEngine(Engine):
         if self._taps_info["standard_error"]:  # (and the engine was made with standard_view=False)
             standard.attach(self.tree, None, self._taps_info["standard_error"])
         else:
-            standard.attach(self.tree, PRESENTERS)
+            standard.attach(self.tree, PRESENTERS, family=self._taps_info.get("family"))
         info = self._taps_info
         #: the tap set, as the driver sees it (None on an eager engine): which requests an auto
         #: engine runs eagerly (:meth:`runs_eagerly`), which waits a compiled one refuses at invoke

@@ -207,6 +207,8 @@ class WorkerSession:
         self.graft_cost: GraftCost | None = None
         self.warmup_seconds = 0.0  # vLLM's warm-up forward (compiles the model on compiled engines)
         self.compile_cached = False  # whether that compile came from inductor's cache
+        # the standard view's family where the root's class does not say it (backend models)
+        self.family = backend.family(model, runner.vllm_config.model_config.hf_config)
         pipeline = _pipeline(runner)
         if pipeline is None:
             self.tree, modules, self.paths = build_tree(model, ALIASES, {"sampler": runner.sampler})
@@ -216,7 +218,7 @@ class WorkerSession:
             self.tree, self.paths = tree_from_paths(ownership.entries, ALIASES), ownership.paths
         try:
             self.std_error: str | None = None
-            standard.attach(self.tree, PRESENTERS, head=head_of(model))
+            standard.attach(self.tree, PRESENTERS, head=head_of(model), family=self.family)
         except standard.StandardViewError as err:  # the driver decides whether that is fatal
             self.std_error = str(err)
             standard.attach(self.tree, None, self.std_error)
@@ -309,6 +311,7 @@ class WorkerSession:
             "compile_seconds": self.warmup_seconds if plan is not None else 0.0,
             "compile_cached": self.compile_cached,
             "standard_error": self.std_error,
+            "family": self.family,
         }
 
     def drop_taps(self, dropped: list[list[Any]]) -> None:
