@@ -118,12 +118,16 @@ def batch_dim_adapters(
     return dict.fromkeys(adapted, out), dict.fromkeys(adapted, call)
 
 
-def refuse_unsupported(model: nn.Module, tp: int, pp: int, architecture: str) -> None:
-    """Tensor and pipeline parallel engines over the Transformers backend are not supported yet."""
+def refuse_unsupported(model: nn.Module, vllm_config: Any) -> None:
+    """Tensor and pipeline parallel engines over the Transformers backend are not supported yet
+    (tensor-parallel gathering knows vLLM's own classes, pipeline stages their models)."""
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if not is_backend_model(model) or (tp == 1 and pp == 1):
         return
+    name = family(model, vllm_config.model_config.hf_config) or "this model"
     raise AsyncppError(
-        f"asyncpp cannot run {architecture} with tensor or pipeline parallelism on vLLM yet "
+        f"asyncpp cannot run {name} with tensor or pipeline parallelism on vLLM yet "
         f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp}): vLLM runs it through its "
         f"Transformers backend ({type(model).__name__}), which asyncpp supports on one worker. "
         f"Use tensor_parallel_size=1 and pipeline_parallel_size=1, or a model vLLM implements itself"

@@ -184,20 +184,13 @@ class _Request:
         self.error: BaseException | None = None  # a failure before the block could start
 
 
-def _refuse_unsupported_backend(model: Any, runner: Any) -> None:
-    config = runner.vllm_config
-    arch = ", ".join(getattr(config.model_config.hf_config, "architectures", None) or ["this model"])
-    parallel = config.parallel_config
-    backend.refuse_unsupported(model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, arch)
-
-
 class WorkerSession:
     """The per-worker state: controllers, the interleaver, and the requests that carry blocks."""
 
     def __init__(self, runner: Any):
         self.runner = runner
         model = runner.model
-        _refuse_unsupported_backend(model, runner)
+        backend.refuse_unsupported(model, runner.vllm_config)
         self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
         self.of_block: dict[int, _Request] = {}  # id(block) -> its request
         self._starting: _Request | None = None  # the request whose block is starting
@@ -238,9 +231,10 @@ class WorkerSession:
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
             arg_names = taps.tap_modules(modules, self.paths, self.plan)
         self.controllers = Controllers(controlled)
-        adapt_out, adapt_in = find_shardings(modules, self.paths)
-        if backend.is_backend_model(model):  # (one worker: no shardings to merge with)
+        if backend.is_backend_model(model):  # (one worker: nothing is sharded)
             adapt_out, adapt_in = backend.batch_dim_adapters(model, modules, self.paths)
+        else:
+            adapt_out, adapt_in = find_shardings(modules, self.paths)
         hooks = RunHooks(
             on_step=self._on_step,
             on_emit=self._on_emit,
