@@ -154,3 +154,29 @@ def test_generation_steps_give_one_row_per_request_and_hugging_faces_tokens(pair
         n = h.result[0]
         assert h.result == [n, 1, 1, 1]
         assert h.tokens[0].tolist() == e.tokens[0].tolist()
+
+
+@pytest.mark.timeout(240)
+def test_values_a_module_takes_flat_keep_their_token_rows():
+    """Hugging Face's mixture-of-experts blocks flatten the tokens for their router and experts:
+    those values are [tokens, ...] already, and a request decoding alone (one token in the step)
+    still reads its router logits as [1, experts]."""
+
+    async def router(m):
+        out = []
+        async for _ in m.steps():
+            logits = await m.model.layers[0].mlp.gate.output
+            logits = logits[0] if isinstance(logits, tuple) else logits
+            stream = await m.model.layers[0].output
+            out.append((tuple(logits.shape), tuple(stream.shape)))
+        return out
+
+    path = tiny_checkpoint("qwen2_moe")
+    with asyncpp.VllmEngine(path, dtype="float32", mode="eager", model_impl="transformers") as engine:
+        for prompts in (PROMPTS[:1], PROMPTS[:2]):  # alone, then beside another request
+            with asyncpp.generate(engine, max_new_tokens=3) as t:
+                handles = [t.invoke(p, router) for p in prompts]
+            for h in handles:
+                (first, n), *rest = h.result
+                assert first == (n[0], 4) and n[1] == 128, h.result
+                assert rest == [((1, 4), (1, 128))] * 2, h.result

@@ -5,13 +5,16 @@ with ``model_impl="transformers"``, by calling the Hugging Face modules on all o
 as one sequence: every module below the backend's ``model`` sees ``[1, tokens, ...]``, where vLLM's
 own classes see ``[tokens, ...]``. The kernel narrows a block's rows along the first dimension, so
 at a visit some block waits on those values are served with the batch dimension of one dropped
-(views: in-place edits land in the model) and the model goes on with it put back. The attention
+(views: in-place edits land in the model) and the model goes on with it put back. Some Hugging Face
+modules flatten the tokens for their children (a mixture of experts' router and experts): a value
+counts as batched only when its second dimension is the step's number of tokens. The attention
 layers vLLM hangs inside the Hugging Face attention modules already take flat tokens and are left
 as they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -35,15 +38,21 @@ def family(model: nn.Module, hf_config: Any) -> str | None:
     return names[0] if names else None
 
 
-def _drop(value: Any) -> Any:
-    if type(value) is Tensor or isinstance(value, Tensor):
-        return value[0] if value.ndim and value.shape[0] == 1 else value
+def _batched(t: Tensor, tokens: int) -> bool:
+    """Whether ``t`` holds the step's tokens behind a batch dimension of one, ``[1, tokens, ...]``
+    (not a value some module takes flat, ``[tokens, ...]``, as a mixture of experts' router does)."""
+    return t.ndim >= 2 and t.shape[0] == 1 and t.shape[1] == tokens
+
+
+def _drop(value: Any, tokens: int) -> Any:
+    if isinstance(value, Tensor):
+        return value[0] if _batched(value, tokens) else value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_drop(v) for v in value)
+        return tuple(_drop(v, tokens) for v in value)
     if isinstance(value, list):
-        return [_drop(v) for v in value]
+        return [_drop(v, tokens) for v in value]
     if isinstance(value, dict):
-        return {k: _drop(v) for k, v in value.items()}
+        return {k: _drop(v, tokens) for k, v in value.items()}
     return value
 
 
@@ -56,35 +65,39 @@ def _is_row_view(seen: Tensor, held: Tensor) -> bool:
     )
 
 
-def _restore(seen: Any, held: Any) -> Any:
+def _restore(seen: Any, held: Any, tokens: int) -> Any:
     if isinstance(held, Tensor):
-        if not (held.ndim and held.shape[0] == 1) or not isinstance(seen, Tensor):
+        if not isinstance(seen, Tensor) or not _batched(held, tokens):
             return seen
         if _is_row_view(seen, held):
             return held
         return seen.unsqueeze(0) if seen.ndim == held.ndim - 1 else seen
     if isinstance(held, tuple) and not hasattr(held, "_fields"):
         if isinstance(seen, tuple) and len(seen) == len(held):
-            return tuple(_restore(s, h) for s, h in zip(seen, held))
+            return tuple(_restore(s, h, tokens) for s, h in zip(seen, held))
         return seen
     if isinstance(held, list) and isinstance(seen, list) and len(seen) == len(held):
-        return [_restore(s, h) for s, h in zip(seen, held)]
+        return [_restore(s, h, tokens) for s, h in zip(seen, held)]
     if isinstance(held, dict) and isinstance(seen, dict):
-        return {k: _restore(v, held[k]) if k in held else v for k, v in seen.items()}
+        return {k: _restore(v, held[k], tokens) if k in held else v for k, v in seen.items()}
     return seen
 
 
 class DropBatchDim:
-    """The adapter of one backend module's output (``RunHooks.adapt_out``): tensors of leading
-    size one are served without that dimension, inside tuples, lists and dicts."""
+    """The adapter of backend modules' outputs (``RunHooks.adapt_out``): tensors shaped
+    ``[1, tokens, ...]``, inside tuples, lists and dicts, are served as ``[tokens, ...]``;
+    ``tokens()`` gives the number of token rows of the step being run."""
 
-    __slots__ = ()
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: Callable[[], int]):
+        self.tokens = tokens
 
     def to_blocks(self, held: Any) -> Any:
-        return _drop(held)
+        return _drop(held, self.tokens())
 
     def to_model(self, seen: Any, held: Any) -> Any:
-        return _restore(seen, held)
+        return _restore(seen, held, self.tokens())
 
 
 class DropBatchDimOfCall(DropBatchDim):
@@ -93,23 +106,26 @@ class DropBatchDimOfCall(DropBatchDim):
     __slots__ = ()
 
     def to_blocks(self, held: tuple[tuple, dict]) -> tuple[tuple, dict]:
-        return _drop(held[0]), _drop(held[1])
+        n = self.tokens()
+        return _drop(held[0], n), _drop(held[1], n)
 
     def to_model(self, seen: tuple[tuple, dict], held: tuple[tuple, dict]) -> tuple[tuple, dict]:
-        return _restore(tuple(seen[0]), held[0]), _restore(dict(seen[1]), held[1])
+        n = self.tokens()
+        return _restore(tuple(seen[0]), held[0], n), _restore(dict(seen[1]), held[1], n)
 
 
 def batch_dim_adapters(
-    model: nn.Module, modules: list[nn.Module], paths: list[str]
+    model: nn.Module, modules: list[nn.Module], paths: list[str], tokens: Callable[[], int]
 ) -> tuple[dict[int, DropBatchDim], dict[int, DropBatchDimOfCall]]:
-    """The output and input adapters of the modules whose calls carry the batch dimension of one:
-    everything below the backend's ``model``, except vLLM's attention layers (flat tokens)."""
+    """The output and input adapters of the modules below the backend's ``model`` (vLLM's
+    attention layers inside take flat tokens: they are left alone); ``tokens()``: the number of
+    token rows of the step being run."""
     if not is_backend_model(model):
         return {}, {}
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     flat = {id(m) for top in model.modules() if isinstance(top, AttentionLayerBase) for m in top.modules()}
-    out, call = DropBatchDim(), DropBatchDimOfCall()
+    out, call = DropBatchDim(tokens), DropBatchDimOfCall(tokens)
     adapted = [
         i
         for i, (m, p) in enumerate(zip(modules, paths))

@@ -232,7 +232,7 @@ class WorkerSession:
             arg_names = taps.tap_modules(modules, self.paths, self.plan)
         self.controllers = Controllers(controlled)
         if backend.is_backend_model(model):  # (one worker: nothing is sharded)
-            adapt_out, adapt_in = backend.batch_dim_adapters(model, modules, self.paths)
+            adapt_out, adapt_in = backend.batch_dim_adapters(model, modules, self.paths, self._tokens)
         else:
             adapt_out, adapt_in = find_shardings(modules, self.paths)
         hooks = RunHooks(
@@ -270,6 +270,10 @@ class WorkerSession:
             self._serve_points(model, runner.sampler, modules)
         if self.plan is not None and self.plan.auto:
             model.register_forward_pre_hook(self._skip_compiled)
+
+    def _tokens(self) -> int:
+        """The token rows of the step being run."""
+        return self.kernel.batch_size
 
     def _tap_plan(self, model: Any) -> taps.TapPlan | None:
         """On a compiled engine: which modules run inside vLLM's graph, and the taps among them
