@@ -460,8 +460,11 @@ def _scenario_drain_and_concurrency(svc: PullService, rank: int, world: int) -> 
     # stages 1 and 2 pull from each other and from stage 0 -- many requesters, outstanding at once
     req, n = 200, 12
     dist.barrier()
+    publisher = None
     if rank != 0:
-        _later(0.2, lambda: [svc.publish(req, k, rank, torch.arange(k + 1) * rank) for k in range(n)])
+        publisher = _later(
+            0.2, lambda: [svc.publish(req, k, rank, torch.arange(k + 1) * rank) for k in range(n)]
+        )
     else:
         svc.publish(req, 0, 0, torch.ones(2, dtype=torch.bfloat16))
     results: dict[str, bool] = {}
@@ -499,6 +502,8 @@ def _scenario_drain_and_concurrency(svc: PullService, rank: int, world: int) -> 
     out["concurrent"] = results
     out["concurrent_errors"] = errors
     out["pulls_expected"] = 5 * (world - 1) + sum(len(p) for p in plans.values())
+    if publisher is not None:  # a stage publishes all it produces before its request ends (on a
+        publisher.join(30)  # loaded machine the publishing thread may still be at it here)
     ph.drain(svc, req)
     dist.barrier()
     out["stats"] = dict(svc.stats)
