@@ -14,7 +14,10 @@ of every path:
   Mixtral and Qwen2-MoE build their embedding and final norm on every stage; a tied embedding is
   built on the first and the last) runs on one stage only: the stage of the closest stage-owned
   module before it in index order (the final norm follows the last layer), or the first stage when
-  none comes before it (the embedding);
+  none comes before it (the embedding). Where the model says which modules it splits across
+  stages (``split``: vLLM's Transformers backend splits those of the Hugging Face model's pipeline
+  plan), that holds only under them: a module built on several stages outside them runs on every
+  stage where it is built (a base model's rotary embedding) and is *local*;
 * other paths real on several stages (the root, containers) are *local*: every stage serves its own
   visits of them;
 * a path that is a placeholder on some stages and real on none (never happens with vLLM's models)
@@ -75,10 +78,13 @@ class Ownership:
     stages: int
 
     @classmethod
-    def from_reports(cls, reports: list[Report], union: bool = False) -> Ownership:
+    def from_reports(
+        cls, reports: list[Report], union: bool = False, split: tuple[str, ...] | None = None
+    ) -> Ownership:
         """Combine the reports of stages 0..n-1 (in stage order). Every stage must report the same
         (path, type) list, else :class:`TreeMismatch` names the first difference; with ``union``
-        the stages' trees may differ and are combined into their union."""
+        the stages' trees may differ and are combined into their union. ``split``: the paths of
+        the modules the model splits across stages, where it says (None: every module)."""
         if union:
             entries, real_on = _union(reports)
         else:
@@ -92,7 +98,7 @@ class Ownership:
                 owners.append(stages[0])
             else:
                 owners.append(LOCAL)
-        _settle_replicated(entries, real_on, owners)
+        _settle_replicated(entries, real_on, owners, split)
         return cls(entries, owners, len(reports))
 
     @property
@@ -109,9 +115,12 @@ class Ownership:
         return f"stage {stage} of {self.stages}: owned paths per stage {counts}, {local} served everywhere"
 
 
-def _settle_replicated(entries: list[tuple[str, str]], real_on: list[list[int]], owners: list[int]) -> None:
-    """Give a module built on several stages but run on one (it holds no stage-owned module) the
-    stage of the closest stage-owned module before it, or the first stage."""
+def _settle_replicated(
+    entries: list[tuple[str, str]], real_on: list[list[int]], owners: list[int], split: tuple[str, ...] | None
+) -> None:
+    """Give a module built on several stages but run on one (it holds no stage-owned module and,
+    where ``split`` says which modules are split, is under one of them) the stage of the closest
+    stage-owned module before it, or the first stage."""
     holders = set()  # every ancestor of a stage-owned path
     for i, owner in enumerate(owners):
         if owner != LOCAL and len(real_on[i]) == 1:
@@ -123,7 +132,7 @@ def _settle_replicated(entries: list[tuple[str, str]], real_on: list[list[int]],
             if len(stages) == 1:
                 before = owners[i]
             continue
-        if len(stages) > 1 and path not in holders:
+        if len(stages) > 1 and path not in holders and (split is None or _under(path, split)):
             owners[i] = before
 
 

@@ -56,3 +56,33 @@ def test_values_a_module_takes_flat_are_left_as_they_are():
     stream = torch.randn(1, 1, 8)  # [1, tokens, hidden] with one token: the batch dimension goes
     assert one.to_blocks(stream).shape == (1, 8)
     assert DropBatchDim(_five).to_blocks(torch.randn(5, 4)).shape == (5, 4)  # flat, five tokens
+
+
+class TransformersForCausalLM(torch.nn.Module):
+    """Laid out as vLLM's wrapper of a Hugging Face model (the base model as ``model``)."""
+
+    __module__ = "vllm.model_executor.models.transformers.causal"
+
+    def __init__(self, hf: torch.nn.Module):
+        super().__init__()
+        self.model = hf.gpt_neox
+        self.lm_head = hf.lm_head
+
+
+def test_the_modules_split_across_pipeline_stages_are_the_pipeline_plans():
+    from asyncpp.engines.vllm.backend import split_paths
+    from asyncpp.models import build_tiny
+
+    hf = build_tiny("gpt_neox")
+    assert split_paths(hf) is None  # not a backend model: every module follows vLLM's own classes
+    model = TransformersForCausalLM(hf)
+    assert split_paths(model) == (
+        "model.embed_in",
+        "model.emb_dropout",
+        "model.layers",
+        "model.final_layer_norm",
+        "lm_head",
+    )
+    # without a plan, vLLM splits the decoder's children that hold parameters
+    model.model._pp_plan, model.model.config.base_model_pp_plan = None, None
+    assert split_paths(model) == ("model.embed_in", "model.layers", "model.final_layer_norm", "lm_head")

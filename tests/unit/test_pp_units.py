@@ -60,6 +60,32 @@ def test_ownership_from_the_union_of_loaded_trees():
             assert idx[p.rpartition(".")[0]] < i
 
 
+class BackendStage(nn.Module):
+    """A stage of vLLM's Transformers backend: the modules of the pipeline plan (embedding, layers,
+    final norm) split, a tied embedding built on the first and the last stage, and a rotary
+    embedding outside the plan built (and run) on every stage."""
+
+    def __init__(self, stage: int):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)  # tied to the head: on both stages, run on the first
+        self.layers = nn.ModuleList([Layer() if i == stage else PPMissingLayer() for i in range(2)])
+        self.norm = nn.LayerNorm(4) if stage == 1 else PPMissingLayer()
+        self.rotary = nn.Linear(1, 2)
+
+
+def test_ownership_where_the_model_says_which_modules_it_splits():
+    reports = [report(BackendStage(s).named_modules()) for s in range(2)]
+    for split, rotary in ((None, 1), (("embed", "layers", "norm"), LOCAL)):
+        own = Ownership.from_reports(reports, union=True, split=split)
+        idx = {p: i for i, p in enumerate(own.paths)}
+        assert own.owners[idx["embed"]] == 0  # built on both, run on the first either way
+        assert (
+            own.owners[idx["layers.0"]] == 0 and own.owners[idx["layers.1"]] == own.owners[idx["norm"]] == 1
+        )
+        # outside the split modules: every stage serves its own (else the stage after the norm)
+        assert own.owners[idx["rotary"]] == rotary
+
+
 def test_report_marks_stubs_and_their_children_not_real():
     rep = {p: real for p, _, real in report(Stage(0).named_modules())}
     assert rep["layers.0.attn"] and not rep["layers.2"] and not rep["norm"]

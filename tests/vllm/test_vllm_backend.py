@@ -180,3 +180,39 @@ def test_values_a_module_takes_flat_keep_their_token_rows():
                 (first, n), *rest = h.result
                 assert first == (n[0], 4) and n[1] == 128, h.result
                 assert rest == [((1, 4), (1, 128))] * 2, h.result
+
+
+async def rotary_edit(m):
+    """The rotary embedding's angles scaled up: the base model computes them once per forward
+    (before the layers) and hands them to every layer, on every pipeline stage."""
+    cos, sin = await _base(m).rotary_emb.output
+    cos.mul_(-4.0)
+    sin.mul_(4.0)
+    return (await m.std.logits)[:, -1].clone()
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_stages_each_run_the_rotary_embedding_and_an_edit_reaches_every_layer(pair):
+    """vLLM's Transformers backend splits the modules of the model's pipeline plan (embedding,
+    layers, final norm) across the stages and builds and runs the others (here the rotary
+    embedding) on every stage: an edit of its output must land on both stages, as on Hugging Face."""
+    hf, _ = pair
+    edited_hf, plain_hf = (_solo_run(hf, p, b) for p, b in ((PROMPTS[0], rotary_edit), (PROMPTS[0], plain)))
+    with asyncpp.VllmEngine(
+        tiny_checkpoint("gpt_neox"), dtype="float32", mode="eager", pipeline_parallel_size=2
+    ) as vl:
+        edited, untouched = _run_all(vl, [(PROMPTS[0], rotary_edit), (PROMPTS[1], plain)])
+        alone = _run_all(vl, [(PROMPTS[1], plain)])[0]
+    torch.testing.assert_close(edited, edited_hf, rtol=0, atol=ATOL)
+    torch.testing.assert_close(untouched, alone, rtol=0, atol=ATOL)  # the other request's own cos
+    assert (edited_hf - plain_hf).abs().max() > 0.02  # (the edit changes the output)
+
+
+def _solo_run(engine, prompt, block):
+    return _run_all(engine, [(prompt, block)])[0]
+
+
+def _run_all(engine, invokes):
+    with asyncpp.trace(engine) as t:
+        handles = [t.invoke(p, b) for p, b in invokes]
+    return [h.result for h in handles]

@@ -134,19 +134,38 @@ def batch_dim_adapters(
     return dict.fromkeys(adapted, out), dict.fromkeys(adapted, call)
 
 
+def split_paths(model: nn.Module) -> tuple[str, ...] | None:
+    """The paths of the modules the backend splits across pipeline stages: those of the Hugging
+    Face model's pipeline plan (else its decoder's children with parameters) and ``lm_head``.
+    Every other module runs on every stage that builds it (a base model's rotary embedding).
+    None for vLLM's own model classes."""
+    if not is_backend_model(model):
+        return None
+    base = model.model
+    if getattr(base, "supports_pp_plan", False):
+        paths = [f"model.{name}" for name in base._pp_plan]
+    else:
+        decoder = base.get_decoder()
+        prefix = next(p for p, m in model.named_modules() if m is decoder)
+        paths = [
+            f"{prefix}.{n}" for n, c in decoder.named_children() if next(c.parameters(), None) is not None
+        ]
+    return (*paths, "lm_head")
+
+
 def refuse_unsupported(model: nn.Module, vllm_config: Any) -> None:
-    """Tensor and pipeline parallel engines over the Transformers backend are not supported yet
-    (tensor-parallel gathering knows vLLM's own classes, pipeline stages their models)."""
-    parallel = vllm_config.parallel_config
-    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if not is_backend_model(model) or (tp == 1 and pp == 1):
+    """Tensor-parallel engines over the Transformers backend are not supported yet: gathering
+    knows the names of vLLM's own classes' modules between two linears."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if not is_backend_model(model) or tp == 1:
         return
     name = family(model, vllm_config.model_config.hf_config) or "this model"
     raise AsyncppError(
-        f"asyncpp cannot run {name} with tensor or pipeline parallelism on vLLM yet "
-        f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp}): vLLM runs it through its "
-        f"Transformers backend ({type(model).__name__}), which asyncpp supports on one worker. "
-        f"Use tensor_parallel_size=1 and pipeline_parallel_size=1, or a model vLLM implements itself"
+        f"asyncpp cannot run {name} with tensor parallelism on vLLM yet "
+        f"(tensor_parallel_size={tp}): vLLM runs it through its Transformers backend "
+        f"({type(model).__name__}), where asyncpp would not know which values are split across "
+        f"the ranks. Use tensor_parallel_size=1 (pipeline parallelism works), or a model vLLM "
+        f"implements itself"
     )
 
 
@@ -156,4 +175,5 @@ __all__ = [
     "batch_dim_adapters",
     "is_backend_model",
     "refuse_unsupported",
+    "split_paths",
 ]

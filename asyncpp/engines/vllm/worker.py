@@ -231,7 +231,7 @@ class WorkerSession:
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
             arg_names = taps.tap_modules(modules, self.paths, self.plan)
         self.controllers = Controllers(controlled)
-        if backend.is_backend_model(model):  # (one worker: nothing is sharded)
+        if backend.is_backend_model(model):  # (one tensor-parallel rank: nothing is sharded)
             adapt_out, adapt_in = backend.batch_dim_adapters(model, modules, self.paths, self._tokens)
         else:
             adapt_out, adapt_in = find_shardings(modules, self.paths)
@@ -783,7 +783,9 @@ def _pipeline(runner: Any) -> _Pipeline | None:
     dist.all_gather_object(gathered, (grafted is not None, mine))  # rank = stage * tp_size + tp_rank
     stages = [gathered[s * tp.world_size] for s in range(pp.world_size)]
     union = not all(ok for ok, _ in gathered)
-    ownership = Ownership.from_reports([rep for _, rep in stages], union=union)
+    ownership = Ownership.from_reports(
+        [rep for _, rep in stages], union=union, split=backend.split_paths(model)
+    )
     local = {path: module for (path, module), (_, _, real) in zip(named, mine, strict=True) if real}
     out.ownership = ownership
     out.local = [(path, type_name) for path, type_name, _ in mine]
