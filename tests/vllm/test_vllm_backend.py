@@ -1,7 +1,11 @@
 """Models vLLM runs through its Transformers backend (here GPT-NeoX, as Pythia is): the Hugging Face
 modules run on all of a step's tokens as one ``[1, tokens, ...]`` sequence, and a block still sees
 its own request's rows, ``[tokens, ...]`` as on vLLM's own model classes, in the raw tree. Reads
-and writes match Hugging Face's numbers while other requests share the step."""
+and writes match Hugging Face's numbers while other requests share the step.
+
+The engines here are eager: the batch dimension is dropped by the same adapters at a compiled
+engine's taps, which the compiled cells of ``test_vllm_architectures.py`` cover (GPT-NeoX on one
+worker, Phi on two pipeline stages)."""
 
 from __future__ import annotations
 
