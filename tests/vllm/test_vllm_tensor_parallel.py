@@ -126,3 +126,56 @@ def test_generation_under_tp_equals_hf(tp_engine, tiny):
         ref = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=256)
     assert h.tokens.tolist() == ref[:, x.shape[1] :].tolist()
     assert len(h.result) == 5
+
+
+@pytest.mark.timeout(300)
+def test_the_values_between_two_linears_are_whole_by_what_the_modules_are():
+    """vLLM's GPT-2 names the modules between its linears ``attn`` -> ``c_proj`` and ``act`` ->
+    ``c_proj``, not Llama's names: the attention layer's and the activation's outputs are each
+    rank's heads or columns, and blocks get them whole. (Eager: neither is a default tap.)"""
+    from transformers import AutoTokenizer
+
+    from asyncpp.models import build_tiny, tiny_checkpoint
+
+    path = tiny_checkpoint("gpt2")
+    model = build_tiny("gpt2", checkpoint=True).eval()
+    x = torch.tensor([AutoTokenizer.from_pretrained(path)(TEXT, add_special_tokens=False)["input_ids"]])
+    seen = {}
+    lyr = model.transformer.h[0]  # (vLLM's GPT-2 shares one activation module: the tree has layer 0's)
+    hooks = [
+        lyr.attn.c_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("attn", a[0][0])),
+        lyr.mlp.c_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("act", a[0][0])),
+    ]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    hook = lyr.mlp.act.register_forward_hook(lambda m, a, o: o * 0.5)
+    try:
+        with torch.no_grad():
+            edited = model(x).logits[:, -1]
+    finally:
+        hook.remove()
+
+    async def reads(m):
+        layer = m.transformer.h[0]
+        attn = (await layer.attn.attn.output).clone()
+        act = (await layer.mlp.act.output).clone()
+        return attn, act
+
+    async def halve_act(m):
+        act = await m.transformer.h[0].mlp.act.output
+        act.mul_(0.5)
+        return (await m.logits).clone()
+
+    with asyncpp.VllmEngine(path, dtype="float32", mode="eager", tensor_parallel_size=2) as engine:
+        with asyncpp.trace(engine) as t:
+            a = t.invoke(TEXT, reads)
+            b = t.invoke(TEXT, halve_act)
+    attn, act = a.result
+    assert attn.shape == seen["attn"].shape and act.shape == seen["act"].shape
+    torch.testing.assert_close(attn, seen["attn"], rtol=0, atol=ATOL)
+    torch.testing.assert_close(act, seen["act"], rtol=0, atol=ATOL)
+    torch.testing.assert_close(b.result, edited, rtol=0, atol=ATOL)

@@ -154,8 +154,9 @@ def split_paths(model: nn.Module) -> tuple[str, ...] | None:
 
 
 def refuse_unsupported(model: nn.Module, vllm_config: Any) -> None:
-    """Tensor-parallel engines over the Transformers backend are not supported yet: gathering
-    knows the names of vLLM's own classes' modules between two linears."""
+    """Tensor-parallel engines over the Transformers backend are not supported yet: the backend
+    rewrites the Hugging Face modules (fused projections, vLLM's norms and experts), and which of
+    their values are each rank's slice is not known."""
     tp = vllm_config.parallel_config.tensor_parallel_size
     if not is_backend_model(model) or tp == 1:
         return

@@ -94,7 +94,9 @@ def find_shardings(
     rank, group = get_tensor_model_parallel_rank(), get_tp_group()
     outputs: dict[int, Sharding] = {}
     inputs: dict[int, FirstArgument] = {}
-    by_path = {p: i for i, p in enumerate(paths)}
+    children: dict[str, list[int]] = {}
+    for index, path in enumerate(paths):
+        children.setdefault(path.rpartition(".")[0], []).append(index)
     for index, (module, path) in enumerate(zip(modules, paths)):
         if isinstance(module, ColumnParallelLinear) and not getattr(module, "gather_output", False):
             sizes = list(
@@ -104,15 +106,34 @@ def find_shardings(
         elif isinstance(module, RowParallelLinear) and getattr(module, "input_is_parallel", True):
             width = module.input_size_per_partition
             inputs[index] = FirstArgument(Sharding([width], tp, rank, group))
-            # the sibling that produces that input (vLLM's Llama: act_fn -> down_proj, attn -> o_proj)
-            parent = path.rpartition(".")[0]
-            for sibling in ("act_fn", "attn"):
-                i = by_path.get(f"{parent}.{sibling}" if parent else sibling)
-                if i is not None and _feeds(path, sibling):
+            parent, _, name = path.rpartition(".")
+            siblings = [i for i in children.get(parent, ()) if i != index]
+            alone = not any(isinstance(modules[i], RowParallelLinear) for i in siblings)
+            for i in siblings:
+                if _feeds(modules[i], paths[i].rpartition(".")[2], name, alone):
                     outputs[i] = Sharding([width], tp, rank, group)
     return outputs, inputs
 
 
-def _feeds(row_parallel_path: str, sibling: str) -> bool:
-    name = row_parallel_path.rpartition(".")[2]
-    return (sibling, name) in (("act_fn", "down_proj"), ("attn", "o_proj"))
+# where a module's output is a row-parallel linear's input, by the names vLLM's Llama gives them
+_FEEDS = (("act_fn", "down_proj"), ("attn", "o_proj"))
+# the packages whose modules are activation functions (elementwise: a slice in, the slice out)
+_ACTIVATIONS = (
+    "vllm.model_executor.layers.activation",
+    "torch.nn.modules.activation",
+    "transformers.activations",
+)
+
+
+def _feeds(module: nn.Module | None, sibling: str, row: str, alone: bool) -> bool:
+    """Whether ``module`` (named ``sibling``) makes the input of its sibling ``row``, a
+    row-parallel linear: by vLLM's Llama names, or, where ``row`` is its parent's only
+    row-parallel linear, an attention layer (its output projection's input: the local heads) or
+    an activation function (GPT-2's ``attn`` -> ``c_proj`` and ``act`` -> ``c_proj``)."""
+    if (sibling, row) in _FEEDS:
+        return True
+    if module is None or not alone:
+        return False
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return isinstance(module, AttentionLayerBase) or type(module).__module__ in _ACTIVATIONS
