@@ -201,7 +201,7 @@ def test_pipeline_stages_each_run_the_rotary_embedding_and_an_edit_reaches_every
     layers, final norm) across the stages and builds and runs the others (here the rotary
     embedding) on every stage: an edit of its output must land on both stages, as on Hugging Face."""
     hf, _ = pair
-    edited_hf, plain_hf = (_solo_run(hf, p, b) for p, b in ((PROMPTS[0], rotary_edit), (PROMPTS[0], plain)))
+    (edited_hf,), (plain_hf,) = _run_all(hf, [(PROMPTS[0], rotary_edit)]), _run_all(hf, [(PROMPTS[0], plain)])
     with asyncpp.VllmEngine(
         tiny_checkpoint("gpt_neox"), dtype="float32", mode="eager", pipeline_parallel_size=2
     ) as vl:
@@ -212,11 +212,8 @@ def test_pipeline_stages_each_run_the_rotary_embedding_and_an_edit_reaches_every
     assert (edited_hf - plain_hf).abs().max() > 0.02  # (the edit changes the output)
 
 
-def _solo_run(engine, prompt, block):
-    return _run_all(engine, [(prompt, block)])[0]
-
-
 def _run_all(engine, invokes):
+    """Each ``(prompt, block)``'s result, all invokes in one trace."""
     with asyncpp.trace(engine) as t:
         handles = [t.invoke(p, b) for p, b in invokes]
     return [h.result for h in handles]
