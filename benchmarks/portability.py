@@ -3,8 +3,8 @@ on every engine and architecture, compared with the Hugging Face reference at fl
 standard view costs against the raw module tree on vLLM.
 
 **Matrix.** For each architecture (``--archs``; default llama qwen2 qwen3 mistral gemma2 phi3 gpt2
-mixtral qwen2_moe, and phi and gpt_neox, which vLLM runs through its Transformers backend, on hf,
-pp1 and pp2 only: the tiny random checkpoints of ``asyncpp.models.tiny_checkpoint(arch)``, 2
+mixtral qwen2_moe, and phi and gpt_neox, which vLLM runs through its Transformers backend: the
+tiny random checkpoints of ``asyncpp.models.tiny_checkpoint(arch)``, 2
 layers, hidden 128, vocab 259, byte-level tokenizer) the same blocks run on each engine
 (``--engines``): ``hf``, the reference (``asyncpp.LocalEngine(build_tiny(arch, checkpoint=True))``,
 the very model the checkpoint holds), and ``asyncpp.VllmEngine(path, dtype="float32",
@@ -111,9 +111,6 @@ ARCHS = [
     "phi",
     "gpt_neox",
 ]
-# families vLLM runs through its Transformers backend: asyncpp serves them without tensor
-# parallelism (hf, pp1, pp2)
-BACKEND_ARCHS = ("phi", "gpt_neox")
 ENGINES = ["hf", "pp1", "tp2", "pp2", "tp2pp2"]
 LAYOUTS: dict[str, dict[str, int]] = {
     "pp1": {},
@@ -939,16 +936,9 @@ def main() -> int:
         for eng in args.engines:
             if eng == "tp2pp2" and not args.explicit_engines and arch not in TP2PP2_ARCHS:
                 continue
-            if arch in BACKEND_ARCHS and eng not in ("hf", "pp1", "pp2"):
-                continue
             engines[arch].append(eng)
-    backend = [a for a in args.archs if a in BACKEND_ARCHS]
-    if backend and set(args.engines) - {"hf", "pp1", "pp2"}:
-        skipped.append(
-            f"tp2 and tp2pp2 for {', '.join(backend)} (vLLM's Transformers backend: no tensor parallelism)"
-        )
     if not args.explicit_engines:
-        left_out = [a for a in args.archs if a not in TP2PP2_ARCHS and a not in BACKEND_ARCHS]
+        left_out = [a for a in args.archs if a not in TP2PP2_ARCHS]
         if left_out:
             skipped.append(
                 f"tp2pp2 for {', '.join(left_out)} (by default only for {', '.join(TP2PP2_ARCHS)})"

@@ -31,7 +31,7 @@ BACKEND_ARCHS = ["phi", "gpt_neox", "gemma2+transformers"]
 # its head); PP=2 on Llama (its norm and head on the last stage only) and on families that build
 # their embedding and final norm on every stage, and on the Transformers backend (its stages run the
 # rotary embedding each, a tied embedding is built on the first and the last); TP=2 x PP=2 on
-# Gemma-2 and Qwen2-MoE
+# Gemma-2 and Qwen2-MoE; TP=2 on the Transformers backend (vLLM's linears in Hugging Face modules)
 # (and the mode: eager, and compiled where that path differs by family)
 CELLS = (
     [(arch, 1, 1, "eager") for arch in ARCHS + BACKEND_ARCHS]
@@ -41,6 +41,7 @@ CELLS = (
     + [("gemma2", 1, 1, "compiled"), ("gpt2", 1, 2, "compiled"), ("qwen2_moe", 1, 1, "compiled")]
     + [("gpt_neox", 1, 1, "compiled")]
     + [("gpt_neox", 1, 2, "eager"), ("gemma2+transformers", 1, 2, "eager"), ("phi", 1, 2, "compiled")]
+    + [("gpt_neox", 2, 1, "eager"), ("phi", 2, 1, "compiled")]
 )
 ATOL = 1e-4  # float32, vLLM's CPU kernels against Hugging Face's
 PROMPT = "The quick brown fox"

@@ -154,20 +154,3 @@ def test_a_script_that_makes_its_engine_without_a_main_guard_is_told_to_add_one(
     # and the script's own process raises that error, not vLLM's "engine core failed"
     raised = [line for line in run.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
     assert raised and raised[-1].startswith("asyncpp.kernel.errors.AsyncppError: asyncpp.VllmEngine(...)")
-
-
-@pytest.mark.timeout(240)
-def test_a_transformers_backend_model_with_tensor_parallelism_is_refused_at_start():
-    # vLLM has no Phi class of its own and runs it through its Transformers backend; asyncpp serves
-    # those models on one tensor-parallel rank only, and says so at start rather than serving a
-    # rank's slices
-    from asyncpp.models.architectures import tiny_checkpoint
-
-    with pytest.raises(asyncpp.AsyncppError) as info:
-        asyncpp.VllmEngine(str(tiny_checkpoint("phi")), dtype="float32", mode="eager", tensor_parallel_size=2)
-    msg = str(info.value)
-    assert msg.startswith(
-        "asyncpp cannot run PhiForCausalLM with tensor parallelism on vLLM yet (tensor_parallel_size=2)"
-    ), msg
-    assert "Transformers backend" in msg
-    assert "Engine core initialization failed" in str(info.value.__cause__)

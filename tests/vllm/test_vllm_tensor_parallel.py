@@ -179,3 +179,117 @@ def test_the_values_between_two_linears_are_whole_by_what_the_modules_are():
     torch.testing.assert_close(attn, seen["attn"], rtol=0, atol=ATOL)
     torch.testing.assert_close(act, seen["act"], rtol=0, atol=ATOL)
     torch.testing.assert_close(b.result, edited, rtol=0, atol=ATOL)
+
+
+def _tensors(value):
+    """The tensors of a module's value (nested tuples, lists, dicts), cloned, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value.clone()]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for k in sorted(value) for t in _tensors(value[k])]
+    return []
+
+
+async def _module_paths(m):
+    paths = []
+
+    def walk(node):
+        if node.module_type not in ("ModuleList", "ModuleDict"):  # (containers are never called)
+            paths.append(node.path)
+        for child in node:
+            walk(child)
+
+    walk(m)
+    return [p for p in paths if p and not p.startswith(("logits_processor", "sampler"))]
+
+
+async def _read(m, path, kind):
+    try:
+        return _tensors(await getattr(m.find(path), kind))
+    except asyncpp.NeverReachedError:
+        return "never called"  # (a module the forward does not call: the same at every size)
+
+
+async def _logits(m):
+    return (await m.logits).clone()
+
+
+async def _edit(m, path, kind, item):
+    """Halve and shift one tensor of a module's value in place (an argument, or an element of the
+    output; shifted too, as a norm does not see a scale)."""
+    value = await getattr(m.find(path), kind)
+    (value[0][item] if kind == "inputs" else value[item] if item is not None else value).mul_(0.5).add_(0.25)
+    return (await m.logits).clone()
+
+
+# where each family's values are each rank's heads or columns (the attention layer's query, key and
+# value, the rotary embedding's (Llama: one module, which every layer calls), the activation's
+# input), or each rank's part of a sum
+EDITS = {
+    "llama": [
+        ("model.layers.1.self_attn.attn", "inputs", 0),
+        ("model.layers.1.self_attn.attn", "inputs", 2),
+        ("model.layers.0.self_attn.rotary_emb", "inputs", 2),
+        ("model.layers.0.self_attn.rotary_emb", "output", 0),
+        ("model.layers.1.mlp.act_fn", "input", None),
+    ],
+    "gpt_neox": [
+        ("model.layers.1.attention.attn", "inputs", 1),
+        ("model.layers.0.mlp.act", "input", None),
+        ("model.layers.0.mlp.act", "output", None),
+    ],
+    # the norms of each query and key head, [tokens, heads, head size]
+    "qwen3": [
+        ("model.layers.1.self_attn.q_norm", "output", None),
+        ("model.layers.0.self_attn.k_norm", "input", None),
+    ],
+    # each rank's part of a sum the model takes later: the shared expert (its down projection
+    # leaves the reduction to the MoE block) and the routed experts' computation
+    "qwen2_moe": [
+        ("model.layers.1.mlp.shared_expert", "output", None),
+        ("model.layers.0.mlp.shared_expert.down_proj", "output", 0),
+        ("model.layers.0.mlp.experts.routed_experts.quant_method", "output", None),
+    ],
+}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("arch", list(EDITS))
+def test_every_module_value_under_tp_is_the_single_worker_value(arch):
+    """Every module's arguments and output, read at TP=2, equal the same engine's at TP=1 (shape
+    and value), and in-place edits of the values split across the ranks change the logits as at
+    TP=1. GPT-NeoX runs on vLLM's Transformers backend (Hugging Face modules on vLLM's linears)."""
+    from asyncpp.models import tiny_checkpoint
+
+    path = tiny_checkpoint(arch)
+    seen = []
+    for tp in (1, 2):
+        with asyncpp.VllmEngine(path, dtype="float32", mode="eager", tensor_parallel_size=tp) as engine:
+            with asyncpp.trace(engine) as t:
+                listed = t.invoke(TEXT, _module_paths)
+            paths = listed.result
+            values = {}
+            for kind in ("inputs", "output"):
+                with asyncpp.trace(engine) as t:
+                    handles = {p: t.invoke(TEXT, _read, p, kind) for p in paths}
+                values.update({(p, kind): h.result for p, h in handles.items()})
+            with asyncpp.trace(engine) as t:
+                base = t.invoke(TEXT, _logits)
+                edits = [t.invoke(TEXT, _edit, *e) for e in EDITS[arch]]
+            seen.append((values, [h.result for h in edits], base.result))
+    (one, edits_one, _), (two, edits_two, _) = seen
+    assert one.keys() == two.keys() and len(one) > 40
+    assert sum(isinstance(v, str) for v in one.values()) < len(one) // 4
+    for key, tensors in one.items():
+        if isinstance(tensors, str) or isinstance(two[key], str):
+            assert two[key] == tensors, key
+            continue
+        assert [t.shape for t in two[key]] == [t.shape for t in tensors], key
+        for a, b in zip(tensors, two[key]):
+            torch.testing.assert_close(b, a, rtol=0, atol=ATOL, msg=str(key))
+    _, _, base = seen[1]
+    for point, a, b in zip(EDITS[arch], edits_one, edits_two):
+        torch.testing.assert_close(b, a, rtol=0, atol=ATOL, msg=str(point))
+        assert (b - base).abs().max() > 1e-3, point  # the edit reached the model

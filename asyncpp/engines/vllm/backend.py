@@ -19,8 +19,6 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ...kernel.errors import AsyncppError
-
 _PACKAGE = "vllm.model_executor.models.transformers"
 
 
@@ -114,24 +112,52 @@ class DropBatchDimOfCall(DropBatchDim):
         return _restore(tuple(seen[0]), held[0], n), _restore(dict(seen[1]), held[1], n)
 
 
+class Gathered:
+    """A backend module's value that tensor parallelism also splits across the ranks: made whole
+    first (``shard``, an adapter of tensor_parallel.py), then served without its batch dimension
+    of one (``drop``); back to the model in the reverse order."""
+
+    __slots__ = ("drop", "shard")
+
+    def __init__(self, drop: DropBatchDim, shard: Any):
+        self.drop, self.shard = drop, shard
+
+    def to_blocks(self, held: Any) -> Any:
+        return self.drop.to_blocks(self.shard.to_blocks(held))
+
+    def to_model(self, seen: Any, held: Any) -> Any:
+        return self.shard.to_model(self.drop.to_model(seen, held), held)
+
+
 def batch_dim_adapters(
-    model: nn.Module, modules: list[nn.Module], paths: list[str], tokens: Callable[[], int]
-) -> tuple[dict[int, DropBatchDim], dict[int, DropBatchDimOfCall]]:
-    """The output and input adapters of the modules below the backend's ``model`` (vLLM's
-    attention layers inside take flat tokens: they are left alone); ``tokens()``: the number of
-    token rows of the step being run."""
+    model: nn.Module,
+    modules: list[nn.Module],
+    paths: list[str],
+    tokens: Callable[[], int],
+    shardings: tuple[dict[int, Any], dict[int, Any]],
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The kernel's output and input adapters: the tensor-parallel ``shardings`` (output, input),
+    and for a backend model the batch dimension dropped below its ``model`` (vLLM's attention
+    layers inside take flat tokens: they are left alone); ``tokens()``: the number of token rows
+    of the step being run."""
     if not is_backend_model(model):
-        return {}, {}
+        return shardings
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     flat = {id(m) for top in model.modules() if isinstance(top, AttentionLayerBase) for m in top.modules()}
-    out, call = DropBatchDim(tokens), DropBatchDimOfCall(tokens)
+    adapters = DropBatchDim(tokens), DropBatchDimOfCall(tokens)
     adapted = [
         i
         for i, (m, p) in enumerate(zip(modules, paths))
         if m is not None and (p == "model" or p.startswith("model.")) and id(m) not in flat
     ]
-    return dict.fromkeys(adapted, out), dict.fromkeys(adapted, call)
+    merged: list[dict[int, Any]] = []
+    for drop, shard in zip(adapters, shardings):
+        both = dict.fromkeys(adapted, drop)
+        for i, s in shard.items():
+            both[i] = Gathered(drop, s) if i in both else s
+        merged.append(both)
+    return merged[0], merged[1]
 
 
 def split_paths(model: nn.Module) -> tuple[str, ...] | None:
@@ -153,28 +179,11 @@ def split_paths(model: nn.Module) -> tuple[str, ...] | None:
     return (*paths, "lm_head")
 
 
-def refuse_unsupported(model: nn.Module, vllm_config: Any) -> None:
-    """Tensor-parallel engines over the Transformers backend are not supported yet: the backend
-    rewrites the Hugging Face modules (fused projections, vLLM's norms and experts), and which of
-    their values are each rank's slice is not known."""
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if not is_backend_model(model) or tp == 1:
-        return
-    name = family(model, vllm_config.model_config.hf_config) or "this model"
-    raise AsyncppError(
-        f"asyncpp cannot run {name} with tensor parallelism on vLLM yet "
-        f"(tensor_parallel_size={tp}): vLLM runs it through its Transformers backend "
-        f"({type(model).__name__}), where asyncpp would not know which values are split across "
-        f"the ranks. Use tensor_parallel_size=1 (pipeline parallelism works), or a model vLLM "
-        f"implements itself"
-    )
-
-
 __all__ = [
     "DropBatchDim",
     "DropBatchDimOfCall",
+    "Gathered",
     "batch_dim_adapters",
     "is_backend_model",
-    "refuse_unsupported",
     "split_paths",
 ]

@@ -190,7 +190,6 @@ class WorkerSession:
     def __init__(self, runner: Any):
         self.runner = runner
         model = runner.model
-        backend.refuse_unsupported(model, runner.vllm_config)
         self.stage = None  # the pipeline stage's session (pipeline parallel engines only)
         self.of_block: dict[int, _Request] = {}  # id(block) -> its request
         self._starting: _Request | None = None  # the request whose block is starting
@@ -231,10 +230,9 @@ class WorkerSession:
             controlled = [None if i in inside else m for i, m in enumerate(modules)]
             arg_names = taps.tap_modules(modules, self.paths, self.plan)
         self.controllers = Controllers(controlled)
-        if backend.is_backend_model(model):  # (one tensor-parallel rank: nothing is sharded)
-            adapt_out, adapt_in = backend.batch_dim_adapters(model, modules, self.paths, self._tokens)
-        else:
-            adapt_out, adapt_in = find_shardings(modules, self.paths)
+        adapt_out, adapt_in = backend.batch_dim_adapters(
+            model, modules, self.paths, self._tokens, find_shardings(modules, self.paths)
+        )
         hooks = RunHooks(
             on_step=self._on_step,
             on_emit=self._on_emit,
