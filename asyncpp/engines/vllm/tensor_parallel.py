@@ -12,6 +12,7 @@ to gather at the same visits: the decision comes from the blocks' waits, never f
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,30 @@ import torch
 from torch import Tensor, nn
 
 
-class Sharding:
+class _PerTensor:
+    """An adapter of one tensor, which also takes a linear's ``(output, bias)``: the output is
+    adapted, the rest passes as it is."""
+
+    __slots__ = ()
+
+    def to_blocks(self, value: Any) -> Any:
+        if isinstance(value, tuple):
+            return (self.to_blocks(value[0]), *value[1:])
+        return self._whole(value)
+
+    def to_model(self, whole: Any, local: Any) -> Any:
+        if isinstance(whole, tuple):
+            return (self.to_model(whole[0], local[0]), *whole[1:])
+        return self._part(whole, local)
+
+    def _whole(self, value: Any) -> Any:
+        raise NotImplementedError
+
+    def _part(self, whole: Any, local: Any) -> Any:
+        raise NotImplementedError
+
+
+class Sharding(_PerTensor):
     """How one value is split across the TP group: the per-rank widths of its sub-outputs, and
     for each how many ranks hold the same slice (key/value heads replicated where the group is
     larger than their number); for an attention layer's values, the size of a head, which a
@@ -41,10 +65,8 @@ class Sharding:
         self.head_size = head_size
         self.tp, self.rank, self.group = tp, rank, group
 
-    def to_blocks(self, value: Any) -> Any:
+    def _whole(self, value: Any) -> Any:
         """The whole of this rank's slice ``value`` (all-gathered across the group)."""
-        if isinstance(value, tuple):  # a linear's (output, bias)
-            return (self.to_blocks(value[0]), *value[1:])
         head = self._head(value)
         if head is None:
             return value
@@ -57,10 +79,8 @@ class Sharding:
         )
         return whole.unflatten(-1, (-1, head)) if head else whole
 
-    def to_model(self, whole: Any, local: Any) -> Any:
+    def _part(self, whole: Any, local: Any) -> Any:
         """This rank's slice of ``whole`` (shaped like ``local``, the value before the gather)."""
-        if isinstance(whole, tuple):
-            return (self.to_model(whole[0], local[0]), *whole[1:])
         head = self._head(local)
         if head is None or not isinstance(whole, Tensor):
             return whole
@@ -143,7 +163,7 @@ class Elements:
         )
 
 
-class PartialSum:
+class PartialSum(_PerTensor):
     """A value each rank holds a part of, to be summed across the group later (a row-parallel
     linear that leaves its reduction to its caller, a mixture of experts' expert computation):
     served as the sum; an edit goes back as its difference from that sum, added on the first rank
@@ -154,16 +174,10 @@ class PartialSum:
     def __init__(self, rank: int, group: Any):
         self.rank, self.group = rank, group
 
-    def to_blocks(self, value: Any) -> Any:
-        if isinstance(value, tuple):  # a linear's (output, bias)
-            return (self.to_blocks(value[0]), *value[1:])
-        if not isinstance(value, Tensor):
-            return value
-        return self.group.all_reduce(value.clone())
+    def _whole(self, value: Any) -> Any:
+        return self.group.all_reduce(value.clone()) if isinstance(value, Tensor) else value
 
-    def to_model(self, whole: Any, local: Any) -> Any:
-        if isinstance(whole, tuple):
-            return (self.to_model(whole[0], local[0]), *whole[1:])
+    def _part(self, whole: Any, local: Any) -> Any:
         if not isinstance(whole, Tensor) or not isinstance(local, Tensor) or whole.shape != local.shape:
             return whole
         delta = whole - self.group.all_reduce(local.clone())  # (zero where nothing was edited)
@@ -205,14 +219,16 @@ def find_shardings(modules: list[nn.Module], paths: list[str]) -> tuple[dict[int
     for index, (module, path) in enumerate(zip(modules, paths)):
         if isinstance(module, ColumnParallelLinear) and not getattr(module, "gather_output", False):
             outputs[index] = sharding(_column_sizes(module), _column_replicas(module))
-        if isinstance(module, RowParallelLinear) and not getattr(module, "reduce_results", True):
-            outputs[index] = PartialSum(rank, group)
-            owner = index_of.get(path.rpartition(".")[0])
-            if owner is not None and modules[owner] is not None and not _reduces(modules[owner]):
-                outputs[owner] = PartialSum(rank, group)  # it returns the part as it is
         elif isinstance(module, FusedMoEMethodBase):  # the experts' output, before any reduction
             outputs[index] = PartialSum(rank, group)
-        if isinstance(module, RowParallelLinear) and getattr(module, "input_is_parallel", True):
+        elif isinstance(module, RowParallelLinear):
+            if not getattr(module, "reduce_results", True):
+                outputs[index] = PartialSum(rank, group)
+                owner = index_of.get(path.rpartition(".")[0])
+                if owner is not None and modules[owner] is not None and not _reduces(modules[owner]):
+                    outputs[owner] = PartialSum(rank, group)  # it returns the part as it is
+            if not getattr(module, "input_is_parallel", True):
+                continue
             width = module.input_size_per_partition
             inputs[index] = Arguments({0: sharding([width])})
             name = path.rpartition(".")[2]
@@ -220,10 +236,11 @@ def find_shardings(modules: list[nn.Module], paths: list[str]) -> tuple[dict[int
             alone = not any(isinstance(modules[i], RowParallelLinear) for i in near)
             columns = [i for i in near if isinstance(modules[i], ColumnParallelLinear)]
             for i in near:
-                if not _feeds(modules[i], paths[i].rpartition(".")[2], name, alone):
+                attention = isinstance(modules[i], AttentionLayerBase)
+                if not _feeds(modules[i], paths[i].rpartition(".")[2], name, alone, attention):
                     continue
                 outputs[i] = sharding([width])
-                if len(columns) == 1 and not isinstance(modules[i], AttentionLayerBase):
+                if len(columns) == 1 and not attention:
                     # an activation: its input is the one column-parallel linear's output
                     inputs[i] = Arguments({0: sharding(_column_sizes(modules[columns[0]]))})
     for index, module in enumerate(modules):
@@ -250,8 +267,6 @@ def _reduces(module: nn.Module) -> bool:
     """Whether ``module``'s own forward sums its parts across the group (its code calls an
     all-reduce); where the source cannot be read, assume it does (its output is then served as it
     is, as before: never summed twice)."""
-    import inspect
-
     try:
         code = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
@@ -301,7 +316,7 @@ _ACTIVATIONS = (
 )
 
 
-def _feeds(module: nn.Module | None, sibling: str, row: str, alone: bool) -> bool:
+def _feeds(module: nn.Module | None, sibling: str, row: str, alone: bool, attention: bool) -> bool:
     """Whether ``module`` (named ``sibling``) makes the input of its sibling ``row``, a
     row-parallel linear: by vLLM's Llama names, or, where ``row`` is its parent's only
     row-parallel linear, an attention layer (its output projection's input: the local heads) or
@@ -310,6 +325,4 @@ def _feeds(module: nn.Module | None, sibling: str, row: str, alone: bool) -> boo
         return True
     if module is None or not alone:
         return False
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    return isinstance(module, AttentionLayerBase) or type(module).__module__ in _ACTIVATIONS
+    return attention or type(module).__module__ in _ACTIVATIONS
